@@ -1,0 +1,428 @@
+//! Plugin configuration: serde -> validate -> compile.
+//!
+//! The raw form ([`RawConfig`]) is exactly the plugin JSON (camelCase, named
+//! defaults, unknown fields rejected). [`Config::from_json`] validates every
+//! field, naming the field, the value and the reason on error, and compiles
+//! the result into the immutable [`Config`] that the request path uses. Raw
+//! config never reaches the request path.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::net::SocketAddr;
+
+use serde::Deserialize;
+
+use crate::picker::HostSet;
+
+/// The plugin JSON, as written by the user.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RawConfig {
+    /// Replicas as `ip:port`, in any order.
+    pub hosts: Vec<String>,
+    #[serde(default = "defaults::destination_header")]
+    pub destination_header: String,
+    #[serde(default = "defaults::session_headers")]
+    pub session_headers: Vec<String>,
+    #[serde(default = "defaults::fallbacks")]
+    pub fallbacks: u32,
+    #[serde(default = "defaults::epsilon")]
+    pub epsilon: f64,
+    #[serde(default = "defaults::max_body_bytes")]
+    pub max_body_bytes: u64,
+    #[serde(default)]
+    pub hashing: RawHashing,
+    #[serde(default)]
+    pub cost: RawCost,
+    #[serde(default)]
+    pub explain_header: bool,
+    #[serde(default = "defaults::shared_data_prefix")]
+    pub shared_data_prefix: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RawHashing {
+    #[serde(default = "defaults::block_bytes")]
+    pub block_bytes: u32,
+    #[serde(default = "defaults::max_blocks")]
+    pub max_blocks: u32,
+    #[serde(default = "defaults::affinity_blocks")]
+    pub affinity_blocks: u32,
+}
+
+impl Default for RawHashing {
+    fn default() -> Self {
+        RawHashing {
+            block_bytes: defaults::block_bytes(),
+            max_blocks: defaults::max_blocks(),
+            affinity_blocks: defaults::affinity_blocks(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RawCost {
+    #[serde(default = "defaults::bytes_per_token")]
+    pub bytes_per_token: u32,
+    #[serde(default = "defaults::output_tokens_cap")]
+    pub output_tokens_cap: u64,
+}
+
+impl Default for RawCost {
+    fn default() -> Self {
+        RawCost {
+            bytes_per_token: defaults::bytes_per_token(),
+            output_tokens_cap: defaults::output_tokens_cap(),
+        }
+    }
+}
+
+/// Documented defaults (also in `examples/kvroute.schema.json`).
+pub mod defaults {
+    /// The Gateway API Inference Extension's header, so kvroute drops into
+    /// gateways already wired for GIE.
+    pub fn destination_header() -> String {
+        "x-gateway-destination-endpoint".into()
+    }
+    pub fn session_headers() -> Vec<String> {
+        vec!["x-session-id".into()]
+    }
+    /// Two fallbacks: three distinct hosts for Envoy's retries to walk.
+    pub fn fallbacks() -> u32 {
+        2
+    }
+    /// 25 % slack over the average load before a host is skipped.
+    pub fn epsilon() -> f64 {
+        0.25
+    }
+    /// Envoy's default per-connection buffer limit: larger bodies would end
+    /// in a 413 from Envoy itself if the filter kept buffering.
+    pub fn max_body_bytes() -> u64 {
+        1 << 20
+    }
+    /// 64 pseudo-tokens of 4 bytes, the block size GIE's prefix scorer uses.
+    pub fn block_bytes() -> u32 {
+        256
+    }
+    /// 1024 blocks of 256 bytes: the first 256 KiB of a prompt are hashed.
+    pub fn max_blocks() -> u32 {
+        1024
+    }
+    /// 16 blocks (4 KiB, about 1k tokens): a shared prefix this long
+    /// co-locates requests even when their first questions differ.
+    pub fn affinity_blocks() -> u32 {
+        16
+    }
+    pub fn bytes_per_token() -> u32 {
+        4
+    }
+    pub fn output_tokens_cap() -> u64 {
+        1024
+    }
+    pub fn shared_data_prefix() -> String {
+        "kvroute".into()
+    }
+}
+
+/// A configuration error: which field, what value, why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub value: String,
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.value.is_empty() {
+            write!(f, "{}: {}", self.field, self.reason)
+        } else {
+            write!(f, "{} = {}: {}", self.field, self.value, self.reason)
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(field: &str, value: impl fmt::Display, reason: &str) -> ConfigError {
+    ConfigError {
+        field: field.to_owned(),
+        value: value.to_string(),
+        reason: reason.to_owned(),
+    }
+}
+
+/// The compiled, validated configuration the request path uses.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub hosts: HostSet,
+    pub destination_header: String,
+    pub session_headers: Vec<String>,
+    pub fallbacks: usize,
+    pub epsilon: f64,
+    pub max_body_bytes: usize,
+    pub block_bytes: usize,
+    pub max_blocks: usize,
+    pub affinity_blocks: usize,
+    pub bytes_per_token: u64,
+    pub output_tokens_cap: u64,
+    pub explain_header: bool,
+    /// Shared-data key of the in-flight load table.
+    pub load_key: String,
+}
+
+/// Upper bounds that keep the filter's allocation bounded whatever the
+/// config says.
+pub const MAX_HOSTS: usize = 4096;
+pub const MAX_FALLBACKS: u32 = 16;
+pub const MAX_BODY_BYTES: u64 = 64 << 20;
+
+impl Config {
+    /// Parses, validates and compiles plugin JSON.
+    pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let raw: RawConfig = serde_json::from_slice(bytes)
+            .map_err(|e| err("config", "", &format!("not a valid kvroute config: {e}")))?;
+        raw.compile()
+    }
+}
+
+fn valid_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b)
+        })
+}
+
+impl RawConfig {
+    pub fn compile(self) -> Result<Config, ConfigError> {
+        if self.hosts.is_empty() {
+            return Err(err("hosts", "[]", "must list at least one ip:port"));
+        }
+        if self.hosts.len() > MAX_HOSTS {
+            return Err(err(
+                "hosts",
+                self.hosts.len(),
+                &format!("at most {MAX_HOSTS} hosts"),
+            ));
+        }
+        let mut seen = HashSet::new();
+        for (i, h) in self.hosts.iter().enumerate() {
+            let field = format!("hosts[{i}]");
+            let addr: SocketAddr = h
+                .parse()
+                .map_err(|_| err(&field, format!("{h:?}"), "not an ip:port address"))?;
+            if addr.port() == 0 {
+                return Err(err(&field, format!("{h:?}"), "port 0 is not routable"));
+            }
+            if !seen.insert(addr) {
+                return Err(err(&field, format!("{h:?}"), "listed twice"));
+            }
+        }
+        if !valid_header_name(&self.destination_header) {
+            return Err(err(
+                "destinationHeader",
+                format!("{:?}", self.destination_header),
+                "must be a lower-case HTTP header name",
+            ));
+        }
+        for (i, h) in self.session_headers.iter().enumerate() {
+            if !valid_header_name(h) {
+                return Err(err(
+                    &format!("sessionHeaders[{i}]"),
+                    format!("{h:?}"),
+                    "must be a lower-case HTTP header name",
+                ));
+            }
+            if *h == self.destination_header {
+                return Err(err(
+                    &format!("sessionHeaders[{i}]"),
+                    format!("{h:?}"),
+                    "must differ from destinationHeader",
+                ));
+            }
+        }
+        if self.fallbacks > MAX_FALLBACKS {
+            return Err(err(
+                "fallbacks",
+                self.fallbacks,
+                &format!("must be between 0 and {MAX_FALLBACKS}"),
+            ));
+        }
+        if !(self.epsilon.is_finite() && self.epsilon > 0.0 && self.epsilon <= 10.0) {
+            return Err(err(
+                "epsilon",
+                self.epsilon,
+                "must be a number greater than 0 and at most 10",
+            ));
+        }
+        if self.max_body_bytes == 0 || self.max_body_bytes > MAX_BODY_BYTES {
+            return Err(err(
+                "maxBodyBytes",
+                self.max_body_bytes,
+                &format!("must be between 1 and {MAX_BODY_BYTES}"),
+            ));
+        }
+        let h = &self.hashing;
+        if !(16..=65536).contains(&h.block_bytes) {
+            return Err(err(
+                "hashing.blockBytes",
+                h.block_bytes,
+                "must be between 16 and 65536",
+            ));
+        }
+        if !(1..=65536).contains(&h.max_blocks) {
+            return Err(err(
+                "hashing.maxBlocks",
+                h.max_blocks,
+                "must be between 1 and 65536",
+            ));
+        }
+        if h.affinity_blocks == 0 || h.affinity_blocks > h.max_blocks {
+            return Err(err(
+                "hashing.affinityBlocks",
+                h.affinity_blocks,
+                "must be between 1 and hashing.maxBlocks",
+            ));
+        }
+        let c = &self.cost;
+        if !(1..=64).contains(&c.bytes_per_token) {
+            return Err(err(
+                "cost.bytesPerToken",
+                c.bytes_per_token,
+                "must be between 1 and 64",
+            ));
+        }
+        if !(1..=1 << 20).contains(&c.output_tokens_cap) {
+            return Err(err(
+                "cost.outputTokensCap",
+                c.output_tokens_cap,
+                "must be between 1 and 1048576",
+            ));
+        }
+        let prefix = &self.shared_data_prefix;
+        if prefix.is_empty()
+            || prefix.len() > 128
+            || !prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        {
+            return Err(err(
+                "sharedDataPrefix",
+                format!("{prefix:?}"),
+                "must be 1 to 128 characters of [A-Za-z0-9._-]",
+            ));
+        }
+        Ok(Config {
+            hosts: HostSet::new(self.hosts),
+            load_key: format!("{prefix}.load.v1"),
+            destination_header: self.destination_header,
+            session_headers: self.session_headers,
+            fallbacks: self.fallbacks as usize,
+            epsilon: self.epsilon,
+            max_body_bytes: self.max_body_bytes as usize,
+            block_bytes: h.block_bytes as usize,
+            max_blocks: h.max_blocks as usize,
+            affinity_blocks: h.affinity_blocks as usize,
+            bytes_per_token: u64::from(c.bytes_per_token),
+            output_tokens_cap: c.output_tokens_cap,
+            explain_header: self.explain_header,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compile(json: &str) -> Result<Config, ConfigError> {
+        Config::from_json(json.as_bytes())
+    }
+
+    #[test]
+    fn minimal_config_gets_documented_defaults() {
+        let c = compile(r#"{"hosts":["127.0.0.1:8001"]}"#).unwrap();
+        assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
+        assert_eq!(c.session_headers, vec!["x-session-id".to_string()]);
+        assert_eq!(c.fallbacks, 2);
+        assert_eq!(c.block_bytes, 256);
+        assert_eq!(c.max_blocks, 1024);
+        assert_eq!(c.affinity_blocks, 16);
+        assert_eq!(c.bytes_per_token, 4);
+        assert_eq!(c.max_body_bytes, 1 << 20);
+        assert_eq!(c.load_key, "kvroute.load.v1");
+        assert!(!c.explain_header);
+    }
+
+    #[test]
+    fn errors_name_field_value_and_reason() {
+        let cases = [
+            (r#"{"hosts":[]}"#, "hosts", "at least one"),
+            (r#"{"hosts":["nope"]}"#, "hosts[0]", "not an ip:port"),
+            (
+                r#"{"hosts":["127.0.0.1:1","127.0.0.1:1"]}"#,
+                "hosts[1]",
+                "twice",
+            ),
+            (r#"{"hosts":["127.0.0.1:0"]}"#, "hosts[0]", "port 0"),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"epsilon":-1}"#,
+                "epsilon",
+                "greater than 0",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"fallbacks":99}"#,
+                "fallbacks",
+                "between 0 and 16",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"destinationHeader":"X-Up"}"#,
+                "destinationHeader",
+                "lower-case",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"hashing":{"blockBytes":1}}"#,
+                "hashing.blockBytes",
+                "between 16",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"hashing":{"maxBlocks":4,"affinityBlocks":8}}"#,
+                "hashing.affinityBlocks",
+                "maxBlocks",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"cost":{"bytesPerToken":0}}"#,
+                "cost.bytesPerToken",
+                "between 1",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"sharedDataPrefix":"a b"}"#,
+                "sharedDataPrefix",
+                "[A-Za-z0-9._-]",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"maxBodyBytes":0}"#,
+                "maxBodyBytes",
+                "between 1",
+            ),
+        ];
+        for (json, field, reason) in cases {
+            let e = compile(json).unwrap_err();
+            assert_eq!(e.field, field, "{json}");
+            assert!(e.to_string().contains(reason), "{json}: {e}");
+        }
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_json_are_rejected_readably() {
+        let e = compile(r#"{"hosts":["127.0.0.1:1"],"epsilom":1}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `epsilom`"), "{e}");
+        let e = compile(r#"{"hosts":["127.0.0.1:1"],"hashing":{"blocks":1}}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `blocks`"), "{e}");
+        let e = compile("not json").unwrap_err();
+        assert!(e.to_string().contains("not a valid kvroute config"), "{e}");
+        let e = compile(r#"{"epsilon":1}"#).unwrap_err();
+        assert!(e.to_string().contains("missing field `hosts`"), "{e}");
+    }
+}

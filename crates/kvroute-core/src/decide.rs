@@ -1,0 +1,631 @@
+//! From a request to a routing decision: analyse, pick, account.
+//!
+//! # Affinity key
+//!
+//! The key that places a request on the ring is, in order:
+//! 1. the **session key**, when the client names one: the first configured
+//!    session header present (default `x-session-id`), else the body's
+//!    `prompt_cache_key`, else `user` / `metadata.user_id`. A session is the
+//!    client telling us which requests share a conversation, and it survives
+//!    edits to the history that would change every prefix hash;
+//! 2. else a **prefix key**: the chained digest of the canonical stream up to
+//!    the end of the first `user` message, cut at `affinityBlocks` blocks.
+//!    Every turn of a conversation repeats the system prompt and the first
+//!    question, so all its turns share this key, while conversations that ask
+//!    different first questions get different keys and spread. Requests that
+//!    share a prefix longer than `affinityBlocks` blocks (a long system
+//!    prompt, a shared document) share the key and co-locate, which is where
+//!    their prefix is cached. The cut keeps the key from depending on how long
+//!    a first question is once the shared part alone is long enough.
+//!
+//! Both are seeded by the model name, so one conversation's requests to two
+//! models are placed independently.
+//!
+//! # Cost
+//!
+//! Input tokens are the canonical text bytes divided by `bytesPerToken`
+//! (rounded up) plus any token ids given directly; output tokens are
+//! `max_tokens` (or `max_completion_tokens` / `max_output_tokens`), capped at
+//! `outputTokensCap`, or the cap itself when the client gives no limit. The
+//! prompt part is released at the first response byte, the output part at
+//! the end of the stream.
+
+use xxhash_rust::xxh64::xxh64;
+
+use crate::config::Config;
+use crate::hash::{model_seed, BlockHasher};
+use crate::host::{Counter, Gauge, Metrics, SharedData};
+use crate::load::{self, Charge, LoadTable};
+use crate::picker::{self, Bounds, Pick};
+use crate::request::{self, CanonicalSink, Endpoint, ParseError};
+
+/// Separates session keys from prefix keys of the same model.
+const SESSION_SALT: u64 = 0x5e55_1011_4b65_7900;
+
+/// Why a decision was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The session key's first admissible preference.
+    Session,
+    /// The prefix key's first admissible preference.
+    Prefix,
+    /// Bounded load moved the request off its first preference.
+    Spill,
+    /// The request was not parsed; least-loaded order.
+    Fallback,
+    /// No host to route to.
+    NoHosts,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Session => "session",
+            Reason::Prefix => "prefix",
+            Reason::Spill => "spill",
+            Reason::Fallback => "fallback",
+            Reason::NoHosts => "no-hosts",
+        }
+    }
+
+    fn counter(self) -> Counter {
+        match self {
+            Reason::Session => Counter::DecisionSession,
+            Reason::Prefix => Counter::DecisionPrefix,
+            Reason::Spill => Counter::DecisionSpill,
+            Reason::Fallback => Counter::DecisionFallback,
+            Reason::NoHosts => Counter::DecisionNoHosts,
+        }
+    }
+}
+
+/// Why a request was not parsed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unparsed {
+    /// Another method or path.
+    NotInference,
+    Empty,
+    /// Not JSON, wrong types, missing required fields.
+    Invalid,
+    TooDeep,
+    /// Larger than `maxBodyBytes`.
+    TooLarge,
+}
+
+impl Unparsed {
+    pub fn counter(self) -> Counter {
+        match self {
+            Unparsed::NotInference => Counter::UnparsedNotInference,
+            Unparsed::Empty => Counter::UnparsedEmpty,
+            Unparsed::Invalid => Counter::UnparsedInvalid,
+            Unparsed::TooDeep => Counter::UnparsedTooDeep,
+            Unparsed::TooLarge => Counter::UnparsedTooLarge,
+        }
+    }
+}
+
+/// How the affinity key was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Affinity {
+    Session(u64),
+    Prefix(u64),
+}
+
+impl Affinity {
+    pub fn key(self) -> u64 {
+        match self {
+            Affinity::Session(k) | Affinity::Prefix(k) => k,
+        }
+    }
+}
+
+/// What routing needs to know about a parsed request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Facts {
+    pub endpoint: Endpoint,
+    pub affinity: Affinity,
+    /// Chained prefix block hashes, at most `maxBlocks`.
+    pub blocks: Vec<u64>,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub stream: bool,
+    pub non_text_parts: u64,
+}
+
+impl Facts {
+    pub fn cost(&self) -> u64 {
+        self.input_tokens.saturating_add(self.output_tokens)
+    }
+}
+
+/// Feeds the canonical stream into the block hasher and captures the prefix
+/// key at the anchor or at the affinity cut, whichever comes first.
+struct Sink {
+    hasher: BlockHasher,
+    cut: u64,
+    key: Option<u64>,
+    text_bytes: u64,
+    token_ids: u64,
+}
+
+impl Sink {
+    fn feed(&mut self, mut bytes: &[u8]) {
+        if self.key.is_none() {
+            let room = self.cut.saturating_sub(self.hasher.total_bytes());
+            if (bytes.len() as u64) >= room {
+                let (head, tail) = bytes.split_at(room as usize);
+                self.hasher.write(head);
+                self.key = Some(self.hasher.digest());
+                bytes = tail;
+            }
+        }
+        self.hasher.write(bytes);
+    }
+}
+
+impl CanonicalSink for Sink {
+    fn bytes(&mut self, bytes: &[u8]) {
+        self.text_bytes += bytes.len() as u64;
+        self.feed(bytes);
+    }
+
+    fn anchor(&mut self) {
+        if self.key.is_none() {
+            self.key = Some(self.hasher.digest());
+        }
+    }
+
+    fn token_ids(&mut self, ids: &[u32]) {
+        self.token_ids += ids.len() as u64;
+        for id in ids {
+            self.feed(&id.to_le_bytes());
+        }
+    }
+}
+
+fn non_empty(s: Option<&str>) -> Option<&str> {
+    s.map(str::trim).filter(|s| !s.is_empty())
+}
+
+/// Parses and hashes a request body. `session_header` is the value of the
+/// first configured session header present.
+pub fn analyze(
+    cfg: &Config,
+    endpoint: Endpoint,
+    session_header: Option<&str>,
+    body: &[u8],
+) -> Result<Facts, Unparsed> {
+    if body.len() > cfg.max_body_bytes {
+        return Err(Unparsed::TooLarge);
+    }
+    let parsed = request::parse(endpoint, body).map_err(|e| match e {
+        ParseError::Empty => Unparsed::Empty,
+        ParseError::TooDeep => Unparsed::TooDeep,
+        ParseError::Invalid(_) => Unparsed::Invalid,
+    })?;
+    let seed = model_seed(parsed.model.as_deref().unwrap_or(""));
+    let mut sink = Sink {
+        hasher: BlockHasher::new(seed, cfg.block_bytes, cfg.max_blocks),
+        cut: (cfg.affinity_blocks * cfg.block_bytes) as u64,
+        key: None,
+        text_bytes: 0,
+        token_ids: 0,
+    };
+    parsed.canonical(&mut sink);
+    let session = non_empty(session_header)
+        .or_else(|| non_empty(parsed.prompt_cache_key.as_deref()))
+        .or_else(|| non_empty(parsed.user.as_deref()));
+    let affinity = match session {
+        Some(s) => Affinity::Session(xxh64(s.as_bytes(), seed ^ SESSION_SALT)),
+        None => Affinity::Prefix(sink.key.unwrap_or_else(|| sink.hasher.digest())),
+    };
+    let input_tokens = sink.text_bytes.div_ceil(cfg.bytes_per_token) + sink.token_ids;
+    let output_tokens = parsed
+        .max_tokens
+        .unwrap_or(cfg.output_tokens_cap)
+        .min(cfg.output_tokens_cap);
+    Ok(Facts {
+        endpoint,
+        affinity,
+        blocks: sink.hasher.into_blocks(),
+        input_tokens,
+        output_tokens,
+        stream: parsed.stream,
+        non_text_parts: parsed.non_text_parts,
+    })
+}
+
+/// A routing decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub reason: Reason,
+    pub pick: Option<Pick>,
+    pub key: Option<u64>,
+    /// What was added to the load table, to be released later.
+    pub charge: Option<Charge>,
+}
+
+/// Picks for parsed facts against the given loads (no accounting).
+pub fn pick_for(cfg: &Config, facts: &Facts, loads: &[u64]) -> Decision {
+    let bounds = Bounds {
+        epsilon: cfg.epsilon,
+        fallbacks: cfg.fallbacks,
+    };
+    let key = facts.affinity.key();
+    match picker::pick(&cfg.hosts, key, loads, facts.cost(), bounds) {
+        None => Decision {
+            reason: Reason::NoHosts,
+            pick: None,
+            key: Some(key),
+            charge: None,
+        },
+        Some(p) => {
+            let reason = match (p.spilled, facts.affinity) {
+                (true, _) => Reason::Spill,
+                (false, Affinity::Session(_)) => Reason::Session,
+                (false, Affinity::Prefix(_)) => Reason::Prefix,
+            };
+            let charge = cfg.hosts.get(p.primary).map(|h| Charge {
+                host: h.id,
+                prefill: facts.input_tokens,
+                decode: facts.output_tokens,
+            });
+            Decision {
+                reason,
+                pick: Some(p),
+                key: Some(key),
+                charge,
+            }
+        }
+    }
+}
+
+fn publish_totals(metrics: &dyn Metrics, table: &LoadTable) {
+    let (prefill, decode) = table.totals();
+    metrics.gauge(Gauge::InflightPrefillTokens, prefill);
+    metrics.gauge(Gauge::InflightDecodeTokens, decode);
+}
+
+/// Decides for one request and charges its cost to the chosen host, in one
+/// compare-and-swap on the shared load table (so concurrent workers see each
+/// other's picks). If the table cannot be updated the decision is still made,
+/// on the loads last read, without accounting, and counted.
+pub fn route(
+    cfg: &Config,
+    store: &dyn SharedData,
+    metrics: &dyn Metrics,
+    facts: Result<&Facts, Unparsed>,
+    tiebreak: u64,
+) -> Decision {
+    let decision = match facts {
+        Ok(facts) => {
+            let result = load::update(store, &cfg.load_key, |table| {
+                let d = pick_for(cfg, facts, &table.loads_for(&cfg.hosts));
+                if let Some(c) = d.charge {
+                    table.add(c);
+                }
+                d
+            });
+            match result {
+                Ok((d, table)) => {
+                    publish_totals(metrics, &table);
+                    d
+                }
+                Err(_) => {
+                    metrics.count(Counter::LoadUpdateFailed, 1);
+                    let loads = load::read(store, &cfg.load_key).loads_for(&cfg.hosts);
+                    Decision {
+                        charge: None,
+                        ..pick_for(cfg, facts, &loads)
+                    }
+                }
+            }
+        }
+        Err(cause) => {
+            metrics.count(cause.counter(), 1);
+            let loads = load::read(store, &cfg.load_key).loads_for(&cfg.hosts);
+            let pick = picker::pick_least_loaded(&cfg.hosts, &loads, tiebreak, cfg.fallbacks);
+            Decision {
+                reason: if pick.is_some() {
+                    Reason::Fallback
+                } else {
+                    Reason::NoHosts
+                },
+                pick,
+                key: None,
+                charge: None,
+            }
+        }
+    };
+    metrics.count(decision.reason.counter(), 1);
+    decision
+}
+
+/// Takes back (part of) a charge.
+pub fn release(cfg: &Config, store: &dyn SharedData, metrics: &dyn Metrics, charge: Charge) {
+    if charge.prefill == 0 && charge.decode == 0 {
+        return;
+    }
+    match load::update(store, &cfg.load_key, |t| t.release(charge)) {
+        Ok(((), table)) => publish_totals(metrics, &table),
+        Err(_) => metrics.count(Counter::LoadUpdateFailed, 1),
+    }
+}
+
+/// The destination header's value: primary, then fallbacks.
+pub fn destination(cfg: &Config, pick: &Pick) -> String {
+    let mut out = String::new();
+    for i in std::iter::once(pick.primary).chain(pick.fallbacks.iter().copied()) {
+        if let Some(h) = cfg.hosts.get(i) {
+            if !out.is_empty() {
+                out.push(',');
+            }
+            out.push_str(&h.addr);
+        }
+    }
+    out
+}
+
+/// The `x-kvroute-decision` explanation.
+pub fn explain(cfg: &Config, d: &Decision) -> String {
+    let host = d
+        .pick
+        .as_ref()
+        .and_then(|p| cfg.hosts.get(p.primary))
+        .map_or("-", |h| h.addr.as_str());
+    match d.key {
+        Some(k) => format!(
+            "reason={}; host={}; key={:016x}",
+            d.reason.as_str(),
+            host,
+            k
+        ),
+        None => format!("reason={}; host={}; key=-", d.reason.as_str(), host),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::{MemoryMetrics, MemorySharedData};
+    use serde_json::json;
+
+    fn cfg() -> Config {
+        Config::from_json(
+            br#"{"hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004"]}"#,
+        )
+        .unwrap()
+    }
+
+    fn chat(messages: serde_json::Value, extra: serde_json::Value) -> Vec<u8> {
+        let mut body = json!({"model": "llama", "messages": messages});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        serde_json::to_vec(&body).unwrap()
+    }
+
+    fn facts(body: &[u8], session: Option<&str>) -> Facts {
+        analyze(&cfg(), Endpoint::ChatCompletions, session, body).unwrap()
+    }
+
+    #[test]
+    fn turns_of_a_conversation_share_the_prefix_key() {
+        let t1 = chat(
+            json!([{"role":"system","content":"You help."},{"role":"user","content":"What is KV cache?"}]),
+            json!({}),
+        );
+        let t2 = chat(
+            json!([{"role":"system","content":"You help."},{"role":"user","content":"What is KV cache?"},
+                   {"role":"assistant","content":"Memory of attention keys."},{"role":"user","content":"And paging?"}]),
+            json!({}),
+        );
+        let other = chat(
+            json!([{"role":"system","content":"You help."},{"role":"user","content":"Tell a joke"}]),
+            json!({}),
+        );
+        let (a, b, c) = (facts(&t1, None), facts(&t2, None), facts(&other, None));
+        assert!(matches!(a.affinity, Affinity::Prefix(_)));
+        assert_eq!(a.affinity, b.affinity);
+        assert_ne!(a.affinity, c.affinity);
+    }
+
+    #[test]
+    fn long_shared_prefix_shares_the_key() {
+        let doc = "lorem ipsum ".repeat(1000); // 12 KB > 16 blocks of 256 bytes
+        let a = chat(
+            json!([{"role":"system","content":doc},{"role":"user","content":"q1"}]),
+            json!({}),
+        );
+        let b = chat(
+            json!([{"role":"system","content":doc},{"role":"user","content":"q2"}]),
+            json!({}),
+        );
+        let (fa, fb) = (facts(&a, None), facts(&b, None));
+        assert_eq!(fa.affinity, fb.affinity);
+        assert_eq!(fa.blocks[..40], fb.blocks[..40]);
+        // A different model seeds different hashes.
+        let c = serde_json::to_vec(&json!({"model":"other","messages":[{"role":"system","content":doc},{"role":"user","content":"q1"}]})).unwrap();
+        let fc = facts(&c, None);
+        assert_ne!(fa.affinity, fc.affinity);
+        assert_ne!(fa.blocks[0], fc.blocks[0]);
+    }
+
+    #[test]
+    fn session_sources_in_order() {
+        let body = chat(
+            json!([{"role":"user","content":"x"}]),
+            json!({"prompt_cache_key":"pck","user":"usr"}),
+        );
+        let by_header = facts(&body, Some("s1"));
+        let by_pck = facts(&body, None);
+        let only_user = chat(
+            json!([{"role":"user","content":"x"}]),
+            json!({"user":"usr"}),
+        );
+        let by_user = facts(&only_user, None);
+        let pck_alone = chat(
+            json!([{"role":"user","content":"y"}]),
+            json!({"prompt_cache_key":"pck"}),
+        );
+        assert!(matches!(by_header.affinity, Affinity::Session(_)));
+        assert_eq!(facts(&only_user, Some("s1")).affinity, by_header.affinity);
+        assert_eq!(by_pck.affinity, facts(&pck_alone, None).affinity);
+        assert_ne!(by_pck.affinity, by_user.affinity);
+        // Blank values do not count.
+        assert!(matches!(
+            facts(&chat(json!([]), json!({"user":"  "})), Some(" ")).affinity,
+            Affinity::Prefix(_)
+        ));
+    }
+
+    #[test]
+    fn cost_estimate() {
+        let body = chat(
+            json!([{"role":"user","content":"abcdefgh"}]),
+            json!({"max_tokens": 10}),
+        );
+        let f = facts(&body, None);
+        // "user" US "abcdefgh" RS = 14 bytes -> 4 tokens.
+        assert_eq!(f.input_tokens, 4);
+        assert_eq!(f.output_tokens, 10);
+        let f = facts(&chat(json!([]), json!({"max_tokens": 1_000_000})), None);
+        assert_eq!(f.output_tokens, 1024);
+        let f = facts(&chat(json!([]), json!({})), None);
+        assert_eq!(f.output_tokens, 1024);
+        let f = analyze(
+            &cfg(),
+            Endpoint::Completions,
+            None,
+            br#"{"prompt":[1,2,3,4,5]}"#,
+        )
+        .unwrap();
+        assert_eq!(f.input_tokens, 5);
+    }
+
+    #[test]
+    fn oversized_and_bad_bodies_are_unparsed() {
+        let c = Config::from_json(br#"{"hosts":["127.0.0.1:1"],"maxBodyBytes":16}"#).unwrap();
+        assert_eq!(
+            analyze(&c, Endpoint::ChatCompletions, None, &[b' '; 17]),
+            Err(Unparsed::TooLarge)
+        );
+        assert_eq!(
+            analyze(&c, Endpoint::ChatCompletions, None, b""),
+            Err(Unparsed::Empty)
+        );
+        assert_eq!(
+            analyze(&c, Endpoint::ChatCompletions, None, b"{]"),
+            Err(Unparsed::Invalid)
+        );
+    }
+
+    #[test]
+    fn route_charges_and_release_returns_to_idle() {
+        let c = cfg();
+        let store = MemorySharedData::default();
+        let m = MemoryMetrics::default();
+        let f = facts(
+            &chat(
+                json!([{"role":"user","content":"hello"}]),
+                json!({"max_tokens": 50}),
+            ),
+            Some("s"),
+        );
+        let d = route(&c, &store, &m, Ok(&f), 0);
+        assert_eq!(d.reason, Reason::Session);
+        let charge = d.charge.unwrap();
+        assert_eq!((charge.prefill, charge.decode), (f.input_tokens, 50));
+        assert_eq!(
+            load::read(&store, &c.load_key).totals(),
+            (f.input_tokens, 50)
+        );
+        assert_eq!(m.gauges.borrow()["kvroute_inflight_decode_tokens"], 50);
+        release(
+            &c,
+            &store,
+            &m,
+            Charge {
+                decode: 0,
+                ..charge
+            },
+        );
+        assert_eq!(load::read(&store, &c.load_key).totals(), (0, 50));
+        release(
+            &c,
+            &store,
+            &m,
+            Charge {
+                prefill: 0,
+                ..charge
+            },
+        );
+        assert!(load::read(&store, &c.load_key).entries().is_empty());
+        assert_eq!(m.counter(Counter::DecisionSession), 1);
+    }
+
+    #[test]
+    fn hot_session_spills_and_explains() {
+        let c = cfg();
+        let store = MemorySharedData::default();
+        let m = MemoryMetrics::default();
+        let f = facts(
+            &chat(
+                json!([{"role":"user","content":"x".repeat(20_000)}]),
+                json!({}),
+            ),
+            Some("hot"),
+        );
+        let first = route(&c, &store, &m, Ok(&f), 0);
+        let second = route(&c, &store, &m, Ok(&f), 0);
+        assert_eq!(first.reason, Reason::Session);
+        assert_eq!(second.reason, Reason::Spill);
+        let (p1, p2) = (first.pick.unwrap(), second.pick.clone().unwrap());
+        assert_ne!(p1.primary, p2.primary);
+        assert_eq!(m.counter(Counter::DecisionSpill), 1);
+        let text = explain(&c, &second);
+        assert!(
+            text.starts_with("reason=spill; host=127.0.0.1:80"),
+            "{text}"
+        );
+        assert!(text.contains(&format!("key={:016x}", f.affinity.key())));
+        let dest = destination(&c, &p2);
+        assert_eq!(dest.split(',').count(), 3);
+    }
+
+    #[test]
+    fn unparsed_requests_fall_back_to_least_loaded() {
+        let c = cfg();
+        let store = MemorySharedData::default();
+        let m = MemoryMetrics::default();
+        let f = facts(&chat(json!([]), json!({})), Some("busy"));
+        let busy = route(&c, &store, &m, Ok(&f), 0).pick.unwrap().primary;
+        for tiebreak in 0..8 {
+            let d = route(&c, &store, &m, Err(Unparsed::Invalid), tiebreak);
+            assert_eq!(d.reason, Reason::Fallback);
+            assert_eq!(d.charge, None);
+            assert_ne!(d.pick.unwrap().primary, busy);
+        }
+        assert_eq!(m.counter(Counter::UnparsedInvalid), 8);
+        assert_eq!(
+            explain(&c, &route(&c, &store, &m, Err(Unparsed::Empty), 0))
+                .split("; ")
+                .nth(2),
+            Some("key=-")
+        );
+    }
+
+    #[test]
+    fn contended_store_still_decides() {
+        let c = cfg();
+        let store = MemorySharedData::default();
+        let m = MemoryMetrics::default();
+        store.set(&c.load_key, b"KVL1", None).unwrap();
+        store.conflicts.set(usize::MAX);
+        let f = facts(&chat(json!([]), json!({})), Some("s"));
+        let d = route(&c, &store, &m, Ok(&f), 0);
+        assert_eq!(d.reason, Reason::Session);
+        assert_eq!(d.charge, None);
+        assert_eq!(m.counter(Counter::LoadUpdateFailed), 1);
+    }
+}

@@ -1,0 +1,157 @@
+//! The host, behind narrow traits: shared data with compare-and-swap, and
+//! metrics. The filter implements them over `proxy_wasm::hostcalls`; the test
+//! doubles here let the core be tested natively.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+
+/// The host refused a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostError;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SetError {
+    /// The value changed since it was read.
+    CasMismatch,
+    Host,
+}
+
+/// Process-wide key-value store with versions (proxy-wasm shared data).
+pub trait SharedData {
+    /// The value and its version, `(None, None)` when the key is missing.
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError>;
+    /// Writes `value` if the stored version still equals `cas` (`None`: always).
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError>;
+}
+
+/// In-memory shared data with proxy-wasm's CAS semantics.
+#[derive(Default)]
+pub struct MemorySharedData {
+    map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    /// Makes the next N compare-and-swaps fail, as if another worker had
+    /// written first.
+    pub conflicts: Cell<usize>,
+}
+
+impl SharedData for MemorySharedData {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+        Ok(match self.map.borrow().get(key) {
+            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+            None => (None, None),
+        })
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        let mut map = self.map.borrow_mut();
+        let current = map.get(key).map(|(_, c)| *c);
+        if let Some(expected) = cas {
+            let pending = self.conflicts.get();
+            if pending > 0 {
+                self.conflicts.set(pending - 1);
+                return Err(SetError::CasMismatch);
+            }
+            if current != Some(expected) {
+                return Err(SetError::CasMismatch);
+            }
+        }
+        let next = current.unwrap_or(0).wrapping_add(1).max(1);
+        map.insert(key.to_owned(), (value.to_vec(), next));
+        Ok(())
+    }
+}
+
+/// Counters the filter keeps, each a `kvroute_*` metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counter {
+    DecisionSession,
+    DecisionPrefix,
+    DecisionSpill,
+    DecisionFallback,
+    DecisionNoHosts,
+    UnparsedNotInference,
+    UnparsedEmpty,
+    UnparsedInvalid,
+    UnparsedTooDeep,
+    UnparsedTooLarge,
+    BodyBytes,
+    LoadUpdateFailed,
+}
+
+impl Counter {
+    pub const ALL: [Counter; 12] = [
+        Counter::DecisionSession,
+        Counter::DecisionPrefix,
+        Counter::DecisionSpill,
+        Counter::DecisionFallback,
+        Counter::DecisionNoHosts,
+        Counter::UnparsedNotInference,
+        Counter::UnparsedEmpty,
+        Counter::UnparsedInvalid,
+        Counter::UnparsedTooDeep,
+        Counter::UnparsedTooLarge,
+        Counter::BodyBytes,
+        Counter::LoadUpdateFailed,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Counter::DecisionSession => "kvroute_decisions_session_total",
+            Counter::DecisionPrefix => "kvroute_decisions_prefix_total",
+            Counter::DecisionSpill => "kvroute_decisions_spill_total",
+            Counter::DecisionFallback => "kvroute_decisions_fallback_total",
+            Counter::DecisionNoHosts => "kvroute_decisions_no_hosts_total",
+            Counter::UnparsedNotInference => "kvroute_unparsed_not_inference_total",
+            Counter::UnparsedEmpty => "kvroute_unparsed_empty_body_total",
+            Counter::UnparsedInvalid => "kvroute_unparsed_invalid_total",
+            Counter::UnparsedTooDeep => "kvroute_unparsed_too_deep_total",
+            Counter::UnparsedTooLarge => "kvroute_unparsed_too_large_total",
+            Counter::BodyBytes => "kvroute_body_bytes_total",
+            Counter::LoadUpdateFailed => "kvroute_load_update_failures_total",
+        }
+    }
+}
+
+/// Gauges the filter keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gauge {
+    InflightPrefillTokens,
+    InflightDecodeTokens,
+}
+
+impl Gauge {
+    pub const ALL: [Gauge; 2] = [Gauge::InflightPrefillTokens, Gauge::InflightDecodeTokens];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Gauge::InflightPrefillTokens => "kvroute_inflight_prefill_tokens",
+            Gauge::InflightDecodeTokens => "kvroute_inflight_decode_tokens",
+        }
+    }
+}
+
+pub trait Metrics {
+    fn count(&self, c: Counter, n: u64);
+    fn gauge(&self, g: Gauge, v: u64);
+}
+
+/// Records metrics in memory, for tests.
+#[derive(Default)]
+pub struct MemoryMetrics {
+    pub counters: RefCell<HashMap<&'static str, u64>>,
+    pub gauges: RefCell<HashMap<&'static str, u64>>,
+}
+
+impl MemoryMetrics {
+    pub fn counter(&self, c: Counter) -> u64 {
+        self.counters.borrow().get(c.name()).copied().unwrap_or(0)
+    }
+}
+
+impl Metrics for MemoryMetrics {
+    fn count(&self, c: Counter, n: u64) {
+        *self.counters.borrow_mut().entry(c.name()).or_default() += n;
+    }
+    fn gauge(&self, g: Gauge, v: u64) {
+        self.gauges.borrow_mut().insert(g.name(), v);
+    }
+}

@@ -1,0 +1,28 @@
+//! kvroute-core: the pure routing logic of kvroute, with no proxy-wasm
+//! dependency, shared by the filter, the collector, the simulator and the
+//! benchmark.
+//!
+//! - [`request`]: which requests are parsed, and their canonical byte stream;
+//! - [`hash`]: chained prefix block hashes over that stream;
+//! - [`picker`]: rendezvous preference order and bounded load;
+//! - [`load`]: the gateway's in-flight token accounting in shared data;
+//! - [`decide`]: affinity key and cost, and the decision for one request;
+//! - [`config`]: plugin JSON, validated and compiled;
+//! - [`host`]: the narrow host traits (shared data, metrics) and test doubles.
+
+#![cfg_attr(
+    test,
+    allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)
+)]
+
+pub mod config;
+pub mod decide;
+pub mod hash;
+pub mod host;
+pub mod load;
+pub mod picker;
+pub mod request;
+
+pub use config::{Config, ConfigError};
+pub use decide::{analyze, route, Decision, Facts, Reason, Unparsed};
+pub use request::Endpoint;

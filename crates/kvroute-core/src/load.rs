@@ -1,0 +1,313 @@
+//! The gateway's own in-flight accounting, kept in shared data.
+//!
+//! Each host's load is the tokens the gateway has sent it and not yet seen
+//! answered: estimated prompt tokens until the first response byte, estimated
+//! decode tokens until the end of the stream. The table lives under one
+//! shared-data key so that every Envoy worker thread (one Wasm VM each) sees
+//! one figure, and is updated with compare-and-swap: read, change, write back
+//! with the version read, retry on a conflict.
+//!
+//! Encoding (little endian): the magic `KVL1`, then 24 bytes per busy host:
+//! host id (u64), prefill tokens (u64), decode tokens (u64). Hosts with no
+//! load are dropped, so the value stays as small as the busy part of the
+//! fleet. Hosts are keyed by id, not position, so a config change that
+//! reorders the host list keeps everyone's load.
+
+use crate::host::{SetError, SharedData};
+use crate::picker::HostSet;
+
+const MAGIC: &[u8; 4] = b"KVL1";
+const ENTRY: usize = 24;
+
+/// One host's in-flight tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Entry {
+    pub host: u64,
+    pub prefill: u64,
+    pub decode: u64,
+}
+
+/// In-flight tokens per host.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadTable {
+    entries: Vec<Entry>,
+}
+
+/// A stored value that is not a load table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeError;
+
+/// Tokens to add to or take from one host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Charge {
+    pub host: u64,
+    pub prefill: u64,
+    pub decode: u64,
+}
+
+impl LoadTable {
+    pub fn decode(bytes: &[u8]) -> Result<LoadTable, DecodeError> {
+        let body = bytes.strip_prefix(MAGIC.as_slice()).ok_or(DecodeError)?;
+        if body.len() % ENTRY != 0 {
+            return Err(DecodeError);
+        }
+        let word = |c: &[u8], k: usize| -> u64 {
+            let mut w = [0u8; 8];
+            if let Some(s) = c.get(k * 8..k * 8 + 8) {
+                w.copy_from_slice(s);
+            }
+            u64::from_le_bytes(w)
+        };
+        let entries = body
+            .chunks_exact(ENTRY)
+            .map(|c| Entry {
+                host: word(c, 0),
+                prefill: word(c, 1),
+                decode: word(c, 2),
+            })
+            .collect();
+        Ok(LoadTable { entries })
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(MAGIC.len() + self.entries.len() * ENTRY);
+        out.extend_from_slice(MAGIC);
+        for e in &self.entries {
+            out.extend_from_slice(&e.host.to_le_bytes());
+            out.extend_from_slice(&e.prefill.to_le_bytes());
+            out.extend_from_slice(&e.decode.to_le_bytes());
+        }
+        out
+    }
+
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// Total load per host, aligned with `hosts`.
+    pub fn loads_for(&self, hosts: &HostSet) -> Vec<u64> {
+        let mut loads = vec![0u64; hosts.len()];
+        for e in &self.entries {
+            if let Some(slot) = hosts.index_of(e.host).and_then(|i| loads.get_mut(i)) {
+                *slot = e.prefill.saturating_add(e.decode);
+            }
+        }
+        loads
+    }
+
+    /// Sums over all hosts: (prefill, decode).
+    pub fn totals(&self) -> (u64, u64) {
+        self.entries.iter().fold((0, 0), |(p, d), e| {
+            (p.saturating_add(e.prefill), d.saturating_add(e.decode))
+        })
+    }
+
+    pub fn add(&mut self, c: Charge) {
+        match self.entries.iter_mut().find(|e| e.host == c.host) {
+            Some(e) => {
+                e.prefill = e.prefill.saturating_add(c.prefill);
+                e.decode = e.decode.saturating_add(c.decode);
+            }
+            None => self.entries.push(Entry {
+                host: c.host,
+                prefill: c.prefill,
+                decode: c.decode,
+            }),
+        }
+    }
+
+    /// Takes a charge back. Saturates at zero: a release can never make a
+    /// host look less than idle, even if an earlier charge was lost.
+    pub fn release(&mut self, c: Charge) {
+        if let Some(e) = self.entries.iter_mut().find(|e| e.host == c.host) {
+            e.prefill = e.prefill.saturating_sub(c.prefill);
+            e.decode = e.decode.saturating_sub(c.decode);
+        }
+        self.entries.retain(|e| e.prefill != 0 || e.decode != 0);
+    }
+}
+
+/// Why a load-table update did not happen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UpdateError {
+    /// Other workers kept winning the compare-and-swap.
+    Contended,
+    /// The host refused the read or the write.
+    Host,
+}
+
+/// Bound on compare-and-swap retries: contention only comes from the other
+/// worker threads, so a handful of tries settles it; past that, the request
+/// is routed without accounting rather than spinning on the request path.
+pub const MAX_CAS_TRIES: usize = 8;
+
+/// Read-modify-write of the load table with compare-and-swap.
+///
+/// `f` sees the current table (empty when missing or corrupt: a corrupt value
+/// is replaced rather than blocking every request) and changes it; its result
+/// and the table as written are returned. `f` may run several times.
+pub fn update<R>(
+    store: &dyn SharedData,
+    key: &str,
+    mut f: impl FnMut(&mut LoadTable) -> R,
+) -> Result<(R, LoadTable), UpdateError> {
+    for _ in 0..MAX_CAS_TRIES {
+        let (value, cas) = store.get(key).map_err(|_| UpdateError::Host)?;
+        let mut table = value
+            .as_deref()
+            .and_then(|v| LoadTable::decode(v).ok())
+            .unwrap_or_default();
+        let r = f(&mut table);
+        match store.set(key, &table.encode(), cas) {
+            Ok(()) => return Ok((r, table)),
+            Err(SetError::CasMismatch) => continue,
+            Err(SetError::Host) => return Err(UpdateError::Host),
+        }
+    }
+    Err(UpdateError::Contended)
+}
+
+/// Reads the table without changing it.
+pub fn read(store: &dyn SharedData, key: &str) -> LoadTable {
+    match store.get(key) {
+        Ok((Some(v), _)) => LoadTable::decode(&v).unwrap_or_default(),
+        _ => LoadTable::default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::MemorySharedData;
+
+    #[test]
+    fn round_trip_and_corrupt_values() {
+        let mut t = LoadTable::default();
+        t.add(Charge {
+            host: 1,
+            prefill: 10,
+            decode: 5,
+        });
+        t.add(Charge {
+            host: 2,
+            prefill: 3,
+            decode: 0,
+        });
+        t.add(Charge {
+            host: 1,
+            prefill: 1,
+            decode: 1,
+        });
+        assert_eq!(LoadTable::decode(&t.encode()), Ok(t.clone()));
+        assert_eq!(t.totals(), (14, 6));
+        assert_eq!(LoadTable::decode(b"KVL1abc"), Err(DecodeError));
+        assert_eq!(LoadTable::decode(b"nope"), Err(DecodeError));
+        assert_eq!(LoadTable::decode(b""), Err(DecodeError));
+    }
+
+    #[test]
+    fn release_saturates_and_drops_idle_hosts() {
+        let mut t = LoadTable::default();
+        t.add(Charge {
+            host: 7,
+            prefill: 10,
+            decode: 5,
+        });
+        t.release(Charge {
+            host: 7,
+            prefill: 100,
+            decode: 0,
+        });
+        assert_eq!(
+            t.entries(),
+            &[Entry {
+                host: 7,
+                prefill: 0,
+                decode: 5
+            }]
+        );
+        t.release(Charge {
+            host: 7,
+            prefill: 0,
+            decode: 5,
+        });
+        assert!(t.entries().is_empty());
+        t.release(Charge {
+            host: 9,
+            prefill: 1,
+            decode: 1,
+        });
+        assert!(t.entries().is_empty());
+    }
+
+    #[test]
+    fn loads_align_with_hosts_by_id() {
+        let hosts = HostSet::new(["10.0.0.1:1".to_string(), "10.0.0.2:1".to_string()]);
+        let id1 = hosts.get(1).unwrap().id;
+        let mut t = LoadTable::default();
+        t.add(Charge {
+            host: id1,
+            prefill: 4,
+            decode: 6,
+        });
+        t.add(Charge {
+            host: 999,
+            prefill: 1,
+            decode: 1,
+        });
+        assert_eq!(t.loads_for(&hosts), vec![0, 10]);
+    }
+
+    #[test]
+    fn update_retries_on_conflict_and_gives_up_bounded() {
+        let store = MemorySharedData::default();
+        let (n, t) = update(&store, "k", |t| {
+            t.add(Charge {
+                host: 1,
+                prefill: 2,
+                decode: 3,
+            });
+            t.entries().len()
+        })
+        .unwrap();
+        assert_eq!(n, 1);
+        assert_eq!(read(&store, "k"), t);
+
+        // Another writer sneaks in before each of our writes: one conflict, then success.
+        store.conflicts.set(1);
+        let mut runs = 0;
+        update(&store, "k", |t| {
+            runs += 1;
+            t.release(Charge {
+                host: 1,
+                prefill: 2,
+                decode: 3,
+            })
+        })
+        .unwrap();
+        assert_eq!(runs, 2);
+        assert!(read(&store, "k").entries().is_empty());
+
+        store.conflicts.set(usize::MAX);
+        assert_eq!(
+            update(&store, "k", |_| ()).unwrap_err(),
+            UpdateError::Contended
+        );
+    }
+
+    #[test]
+    fn corrupt_stored_value_is_replaced() {
+        let store = MemorySharedData::default();
+        store.set("k", b"garbage", None).unwrap();
+        let (_, t) = update(&store, "k", |t| {
+            t.add(Charge {
+                host: 1,
+                prefill: 1,
+                decode: 0,
+            })
+        })
+        .unwrap();
+        assert_eq!(t.entries().len(), 1);
+        assert_eq!(read(&store, "k"), t);
+    }
+}
