@@ -71,7 +71,7 @@ test-wasm: targets $(WBG)
 	  $(CARGO) test -p kvroute-core --target wasm32-unknown-unknown --test vectors
 
 test-e2e: venv build
-	$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
+	KVROUTE_REQUIRE_WASM=1 $(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
 
 fmt:
 	$(CARGO) fmt --all

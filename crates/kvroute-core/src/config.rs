@@ -182,7 +182,23 @@ pub const MAX_BODY_BYTES: u64 = 64 << 20;
 impl Config {
     /// Parses, validates and compiles plugin JSON.
     pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
-        let raw: RawConfig = serde_json::from_slice(bytes)
+        // serde_path_to_error names the field of a type error too
+        // (`explainHeader: invalid type: string "yes", expected a boolean`).
+        let mut de = serde_json::Deserializer::from_slice(bytes);
+        let raw: RawConfig = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            let path = e.path().to_string();
+            let field = if path == "." {
+                "config".to_owned()
+            } else {
+                path
+            };
+            err(
+                &field,
+                "",
+                &format!("not a valid kvroute config: {}", e.inner()),
+            )
+        })?;
+        de.end()
             .map_err(|e| err("config", "", &format!("not a valid kvroute config: {e}")))?;
         raw.compile()
     }
@@ -422,6 +438,13 @@ mod tests {
         assert!(e.to_string().contains("unknown field `blocks`"), "{e}");
         let e = compile("not json").unwrap_err();
         assert!(e.to_string().contains("not a valid kvroute config"), "{e}");
+        let e = compile(r#"{"hosts":["127.0.0.1:1"],"explainHeader":"yes"}"#).unwrap_err();
+        assert_eq!(e.field, "explainHeader");
+        assert!(e.to_string().contains("expected a boolean"), "{e}");
+        let e = compile(r#"{"hosts":["127.0.0.1:1"],"hashing":{"maxBlocks":"x"}}"#).unwrap_err();
+        assert_eq!(e.field, "hashing.maxBlocks");
+        let e = compile(r#"{"hosts":["127.0.0.1:1"]} trailing"#).unwrap_err();
+        assert!(e.to_string().contains("trailing"), "{e}");
         let e = compile(r#"{"epsilon":1}"#).unwrap_err();
         assert!(e.to_string().contains("missing field `hosts`"), "{e}");
     }

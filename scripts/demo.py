@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""kvroute demo: bring the local stack up, drive a short workload, report, stop.
+
+    .venv/bin/python scripts/demo.py          (what `make demo` runs)
+    .venv/bin/python scripts/demo.py --up     (what `make up` runs: scripts/up.py)
+
+Stack: 4 simulated replicas on 127.0.0.1:8001-8004, Envoy with
+envoy-config/envoy.yaml (gateway 127.0.0.1:10000, admin 127.0.0.1:9901) and
+the kvroute filter from target/wasm32-wasip1/release/kvroute.wasm.
+
+Workload (about 10 s):
+  1. 20 conversations x 4 turns with a session header: each stays on one
+     replica, and the conversations spread over the fleet;
+  2. no session key: requests sharing an 8 KB system prompt co-locate, while
+     conversations with different openings spread;
+  3. one hot session, 16 concurrent 20 KB requests held 1.5 s each by the
+     replica: bounded load spills the excess to other replicas;
+then a few kvroute_* metrics from Envoy's admin endpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
+
+import harness  # noqa: E402
+from harness import chat_body, filler, send  # noqa: E402
+
+CHAT = "/v1/chat/completions"
+
+
+def short(host: str | None) -> str:
+    """'127.0.0.1:8003' -> ':8003' (all replicas are on loopback)."""
+    return ":" + host.rsplit(":", 1)[1] if host else "-"
+
+
+def bar(n: int, total: int, width: int = 24) -> str:
+    filled = round(width * n / total) if total else 0
+    return "#" * filled + "." * (width - filled)
+
+
+def check(r: harness.Reply) -> harness.Reply:
+    if r.status != 200:
+        raise RuntimeError(f"request failed: {r.describe()}")
+    return r
+
+
+def phase_sessions(stack: harness.Stack, conversations: int = 20, turns: int = 4) -> bool:
+    print(f"\n[1] {conversations} conversations x {turns} turns, session header x-session-id")
+    where: dict[str, list[str]] = defaultdict(list)
+    for t in range(turns):
+        for c in range(conversations):
+            messages = [{"role": "user", "content": f"conversation {c}: tell me about topic {c}"}]
+            for k in range(t):
+                messages += [
+                    {"role": "assistant", "content": f"answer {k} for conversation {c}"},
+                    {"role": "user", "content": f"follow-up {k + 1}"},
+                ]
+            r = check(send(stack.gateway_url, CHAT, json_body=chat_body(messages), session=f"conv-{c:02d}"))
+            where[f"conv-{c:02d}"].append(r.served_by)
+    sticky = 0
+    cells = []
+    for name, hosts in where.items():
+        top, n = Counter(hosts).most_common(1)[0]
+        sticky += n == len(hosts)
+        cells.append(f"{name} {short(top)} {n}/{len(hosts)}{'' if n == len(hosts) else ' MOVED'}")
+    for i in range(0, len(cells), 4):
+        print("    " + "   ".join(f"{c:<22}" for c in cells[i : i + 4]).rstrip())
+    per_replica = Counter(hosts[0] for hosts in where.values())
+    print(f"    stayed on one replica: {sticky}/{len(where)} conversations")
+    print("    conversations per replica:")
+    for host in stack.live_hosts:
+        n = per_replica.get(host, 0)
+        print(f"      {host}  {bar(n, len(where))} {n}")
+    return sticky == len(where)
+
+
+def phase_prefix(stack: harness.Stack) -> bool:
+    print("\n[2] no session key: prefix affinity")
+    system = filler("demo shared system prompt", 8192)
+    shared = Counter()
+    for q in range(10):
+        body = chat_body(system=system, user_text=f"question {q}")
+        shared[check(send(stack.gateway_url, CHAT, json_body=body)).served_by] += 1
+    distinct = Counter()
+    for q in range(20):
+        body = chat_body(user_text=f"{q:03d} " + filler(f"opening {q}", 600))
+        distinct[check(send(stack.gateway_url, CHAT, json_body=body)).served_by] += 1
+    fmt = lambda c: ", ".join(f"{short(h)} x{n}" for h, n in sorted(c.items()))  # noqa: E731
+    print(f"    10 requests sharing an 8 KB system prompt -> {fmt(shared)}"
+          f"{'  (co-located)' if len(shared) == 1 else ''}")
+    print(f"    20 conversations, different openings      -> {fmt(distinct)}")
+    return len(shared) == 1 and len(distinct) >= 3
+
+
+def phase_hot_key(stack: harness.Stack, n: int = 16) -> bool:
+    print(f"\n[3] hot key: {n} concurrent 20 KB requests of one session, each held 1.5 s by its replica")
+    body = chat_body(user_text=filler("hot document", 20_000), max_tokens=512)
+
+    def one(_):
+        return check(send(stack.gateway_url, CHAT, json_body=body, session="hot-session",
+                          headers={"x-upstream-delay-ms": "1500"}, timeout=30))
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        replies = list(pool.map(one, range(n)))
+    elapsed = time.monotonic() - started
+    by_host: dict[str, Counter] = defaultdict(Counter)
+    for r in replies:
+        by_host[r.served_by][r.reason or "?"] += 1
+    print(f"    {'replica':<16} {'requests':>8}  reasons")
+    for host in stack.live_hosts:
+        reasons = by_host.get(host, Counter())
+        total = sum(reasons.values())
+        detail = ", ".join(f"{k} x{v}" for k, v in reasons.most_common())
+        print(f"    {host:<16} {total:>8}  {bar(total, n, 16)} {detail}")
+    print(f"    wall time {elapsed:.1f} s for {n} x 1.5 s requests")
+    return len(by_host) > 1
+
+
+def show_metrics(stack: harness.Stack, limit: int = 14) -> None:
+    print("\n[4] kvroute metrics (admin /stats/prometheus)")
+    try:
+        metrics = stack.envoy.kvroute_metrics()
+    except (OSError, harness.HarnessError) as exc:
+        print(f"    could not read metrics: {exc}")
+        return
+    if not metrics:
+        print("    (no kvroute_* series exported)")
+        return
+    names = sorted(metrics, key=lambda k: (not k.startswith("kvroute_decision"), k))
+    for name in names[:limit]:
+        value = metrics[name]
+        print(f"    {name:<44} {int(value) if value.is_integer() else value}")
+    if len(names) > limit:
+        print(f"    ... and {len(names) - limit} more")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="kvroute demo on the local stack")
+    parser.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads (default 2)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep Envoy/upstream logs and config")
+    parser.add_argument("--up", action="store_true",
+                        help="just bring the stack up and keep it running until Ctrl-C (same as scripts/up.py)")
+    args, rest = parser.parse_known_args(argv)
+    if args.up:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from up import main as up_main  # noqa: PLC0415
+
+        return up_main(["--concurrency", str(args.concurrency), *rest])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+
+    if not harness.wasm_available():
+        print(f"demo: {harness.WASM_MISSING_REASON}", file=sys.stderr)
+        return 2
+    harness.install_sigterm_as_interrupt()
+    started = time.monotonic()
+    try:
+        stack = harness.local_stack(concurrency=args.concurrency, keep_workdir=args.keep_logs)
+    except harness.HarnessError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    ok = True
+    try:
+        stack.start()
+        print(f"kvroute demo: replicas {short(stack.live_hosts[0])}..{short(stack.live_hosts[-1])} on 127.0.0.1, "
+              f"gateway {stack.gateway_url}, admin {stack.admin_url}, Envoy workers {args.concurrency}")
+        ok &= phase_sessions(stack)
+        ok &= phase_prefix(stack)
+        ok &= phase_hot_key(stack)
+        show_metrics(stack)
+    except harness.HarnessError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ndemo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a failed request: report it plainly, still stop the stack
+        print(f"demo: {exc}", file=sys.stderr)
+        if stack.envoy is not None:
+            print("Envoy log tail:\n" + stack.envoy.log_tail(20), file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+        if args.keep_logs:
+            print(f"logs and config kept in {stack.workdir}")
+    print(f"\n{'all checks passed' if ok else 'SOME CHECKS FAILED (see above)'}; "
+          f"stack stopped; {time.monotonic() - started:.1f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Fixtures for the kvroute end-to-end tests.
+
+Stacks (replicas + Envoy + kvroute) are started per test module and stopped
+by PID when the module is done. Tests that need the built filter skip with a
+clear reason while target/wasm32-wasip1/release/kvroute.wasm does not exist
+(KVROUTE_REQUIRE_WASM=1 turns that into a failure; KVROUTE_WASM=path tests
+another build; KVROUTE_E2E_KEEP=1 keeps each stack's logs and config).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def wasm_path() -> Path:
+    if not harness.wasm_available():
+        if os.environ.get("KVROUTE_REQUIRE_WASM") == "1":
+            # CI sets this: a missing build must fail, not skip quietly.
+            pytest.fail(harness.WASM_MISSING_REASON + " and KVROUTE_REQUIRE_WASM=1")
+        pytest.skip(harness.WASM_MISSING_REASON)
+    return harness.WASM_PATH
+
+
+@pytest.fixture
+def stack_factory(request):
+    """Start stacks inside a test; all are stopped when the test ends."""
+    started: list[harness.Stack] = []
+
+    def make(**kwargs) -> harness.Stack:
+        stack = harness.Stack(**kwargs)
+        started.append(stack)
+        return stack.start()
+
+    yield make
+    for stack in reversed(started):
+        stack.stop()
+
+
+def start_module_stack(request, **kwargs) -> harness.Stack:
+    """For module-scoped fixtures: start a stack and register its stop."""
+    stack = harness.Stack(**kwargs)
+    request.addfinalizer(stack.stop)
+    return stack.start()
