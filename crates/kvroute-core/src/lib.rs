@@ -17,6 +17,7 @@
 
 pub mod config;
 pub mod decide;
+pub mod fleet;
 pub mod hash;
 pub mod host;
 pub mod load;

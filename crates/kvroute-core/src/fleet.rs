@@ -1,0 +1,337 @@
+//! The fleet snapshot: what the collector reports about every replica.
+//!
+//! One versioned type, shared by the collector (which builds and pushes it)
+//! and the filter (whose ingest role validates it and stores it in shared
+//! data, and whose router role decodes it once per stored version).
+//!
+//! Wire format: JSON (serde, camelCase, unknown fields rejected), e.g.
+//!
+//! ```json
+//! {"version": 1, "seq": 42, "collector": "collector-a", "takenAtMs": 1764400000000,
+//!  "hosts": [{"address": "10.0.0.11:8000", "ready": true, "draining": false,
+//!             "models": ["meta-llama/Llama-3.1-8B-Instruct", "sql-lora"],
+//!             "kvUtilization": 0.42, "waiting": 3, "running": 17,
+//!             "kvCapacityTokens": 456000, "blockSize": 16,
+//!             "scrapedAtMs": 1764399999900, "engine": "vllm"}]}
+//! ```
+//!
+//! `seq` increases monotonically per collector; the ingest endpoint refuses
+//! a snapshot older than the stored one. Times are the collector's clock in
+//! Unix milliseconds; the filter only ever compares them with each other
+//! (`takenAtMs - scrapedAtMs` is a host's age at push time) and measures the
+//! rest with its own clock from the moment of ingest, so gateway and
+//! collector clocks need not agree.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+/// The snapshot schema version this build reads and writes.
+pub const SNAPSHOT_VERSION: u32 = 1;
+/// Bounds that keep a snapshot's decoded size bounded whatever is pushed.
+pub const MAX_HOSTS: usize = 4096;
+pub const MAX_MODELS_PER_HOST: usize = 64;
+pub const MAX_NAME_LEN: usize = 256;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Snapshot {
+    /// Schema version, [`SNAPSHOT_VERSION`].
+    pub version: u32,
+    /// Monotonically increasing sequence number (per collector).
+    pub seq: u64,
+    /// The collector's identity (for logs and conflict diagnosis).
+    pub collector: String,
+    /// When the snapshot was assembled, collector clock, Unix ms.
+    pub taken_at_ms: u64,
+    pub hosts: Vec<HostState>,
+}
+
+/// One replica as last scraped.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HostState {
+    /// `ip:port`, as in the destination header.
+    pub address: String,
+    /// Answers `/health` with 200 (weights loaded).
+    pub ready: bool,
+    /// Being taken out of service: no new work.
+    #[serde(default)]
+    pub draining: bool,
+    /// Served model names, LoRA adapters included. Empty: unknown (any model).
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// KV-cache utilisation, 0..1.
+    #[serde(default)]
+    pub kv_utilization: f64,
+    /// Requests waiting to be scheduled.
+    #[serde(default)]
+    pub waiting: u32,
+    /// Requests running (in the batch).
+    #[serde(default)]
+    pub running: u32,
+    /// KV capacity in tokens, when the engine reports it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_capacity_tokens: Option<u64>,
+    /// KV block size in tokens, when the engine reports it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// Last successful scrape, collector clock, Unix ms.
+    pub scraped_at_ms: u64,
+    /// `vllm`, `sglang`, `trtllm`, ... (informational).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
+}
+
+/// What is wrong with a snapshot: a JSON path and a reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl fmt::Display for SnapshotError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.reason)
+    }
+}
+
+impl std::error::Error for SnapshotError {}
+
+fn bad(field: impl Into<String>, reason: impl Into<String>) -> SnapshotError {
+    SnapshotError {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+impl Snapshot {
+    /// Decodes and validates.
+    pub fn from_json(bytes: &[u8]) -> Result<Snapshot, SnapshotError> {
+        let mut de = serde_json::Deserializer::from_slice(bytes);
+        let snap: Snapshot = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            let path = e.path().to_string();
+            let field = if path == "." {
+                "snapshot".to_owned()
+            } else {
+                path
+            };
+            bad(field, e.inner().to_string())
+        })?;
+        de.end().map_err(|e| bad("snapshot", e.to_string()))?;
+        snap.validate()?;
+        Ok(snap)
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Checks every bound and invariant the router relies on.
+    pub fn validate(&self) -> Result<(), SnapshotError> {
+        if self.version != SNAPSHOT_VERSION {
+            return Err(bad(
+                "version",
+                format!(
+                    "{} is not supported (this build reads {SNAPSHOT_VERSION})",
+                    self.version
+                ),
+            ));
+        }
+        if self.seq == 0 {
+            return Err(bad("seq", "must be at least 1"));
+        }
+        if self.collector.is_empty() || self.collector.len() > MAX_NAME_LEN {
+            return Err(bad(
+                "collector",
+                format!("must be 1 to {MAX_NAME_LEN} bytes"),
+            ));
+        }
+        if self.hosts.len() > MAX_HOSTS {
+            return Err(bad(
+                "hosts",
+                format!("{} hosts, at most {MAX_HOSTS}", self.hosts.len()),
+            ));
+        }
+        let mut seen = HashSet::new();
+        for (i, h) in self.hosts.iter().enumerate() {
+            let at = |f: &str| format!("hosts[{i}].{f}");
+            let addr: SocketAddr = h
+                .address
+                .parse()
+                .map_err(|_| bad(at("address"), format!("{:?} is not ip:port", h.address)))?;
+            if addr.port() == 0 {
+                return Err(bad(at("address"), "port 0 is not routable"));
+            }
+            if !seen.insert(addr) {
+                return Err(bad(at("address"), format!("{} is listed twice", h.address)));
+            }
+            if !(h.kv_utilization.is_finite() && (0.0..=1.0).contains(&h.kv_utilization)) {
+                return Err(bad(at("kvUtilization"), "must be a number from 0 to 1"));
+            }
+            if h.models.len() > MAX_MODELS_PER_HOST {
+                return Err(bad(
+                    at("models"),
+                    format!("at most {MAX_MODELS_PER_HOST} models"),
+                ));
+            }
+            if let Some(k) = h
+                .models
+                .iter()
+                .position(|m| m.is_empty() || m.len() > MAX_NAME_LEN)
+            {
+                return Err(bad(
+                    format!("hosts[{i}].models[{k}]"),
+                    format!("must be 1 to {MAX_NAME_LEN} bytes"),
+                ));
+            }
+            if h.scraped_at_ms > self.taken_at_ms {
+                return Err(bad(at("scrapedAtMs"), "is later than takenAtMs"));
+            }
+            if h.block_size == Some(0) {
+                return Err(bad(at("blockSize"), "must be at least 1"));
+            }
+            if h.engine.as_ref().is_some_and(|e| e.len() > MAX_NAME_LEN) {
+                return Err(bad(at("engine"), format!("at most {MAX_NAME_LEN} bytes")));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl HostState {
+    /// Serves `model`; a host that reports no models is assumed to serve any.
+    pub fn serves(&self, model: &str) -> bool {
+        model.is_empty() || self.models.is_empty() || self.models.iter().any(|m| m == model)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(addr: &str) -> HostState {
+        HostState {
+            address: addr.into(),
+            ready: true,
+            draining: false,
+            models: vec!["m".into()],
+            kv_utilization: 0.5,
+            waiting: 1,
+            running: 2,
+            kv_capacity_tokens: Some(1000),
+            block_size: Some(16),
+            scraped_at_ms: 90,
+            engine: Some("vllm".into()),
+        }
+    }
+
+    fn snap(hosts: Vec<HostState>) -> Snapshot {
+        Snapshot {
+            version: 1,
+            seq: 7,
+            collector: "c".into(),
+            taken_at_ms: 100,
+            hosts,
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let s = snap(vec![host("10.0.0.1:80"), host("[::1]:8000")]);
+        assert_eq!(Snapshot::from_json(&s.to_json()), Ok(s));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases: Vec<(Snapshot, &str)> = vec![
+            (
+                Snapshot {
+                    version: 2,
+                    ..snap(vec![])
+                },
+                "version",
+            ),
+            (
+                Snapshot {
+                    seq: 0,
+                    ..snap(vec![])
+                },
+                "seq",
+            ),
+            (
+                Snapshot {
+                    collector: String::new(),
+                    ..snap(vec![])
+                },
+                "collector",
+            ),
+            (
+                snap(vec![HostState {
+                    address: "x".into(),
+                    ..host("")
+                }]),
+                "hosts[0].address",
+            ),
+            (
+                snap(vec![host("10.0.0.1:80"), host("10.0.0.1:80")]),
+                "hosts[1].address",
+            ),
+            (
+                snap(vec![HostState {
+                    kv_utilization: 1.5,
+                    ..host("10.0.0.1:80")
+                }]),
+                "hosts[0].kvUtilization",
+            ),
+            (
+                snap(vec![HostState {
+                    kv_utilization: f64::NAN,
+                    ..host("10.0.0.1:80")
+                }]),
+                "hosts[0].kvUtilization",
+            ),
+            (
+                snap(vec![HostState {
+                    models: vec![String::new()],
+                    ..host("10.0.0.1:80")
+                }]),
+                "hosts[0].models[0]",
+            ),
+            (
+                snap(vec![HostState {
+                    scraped_at_ms: 101,
+                    ..host("10.0.0.1:80")
+                }]),
+                "hosts[0].scrapedAtMs",
+            ),
+        ];
+        for (s, field) in cases {
+            assert_eq!(s.validate().unwrap_err().field, field, "{s:?}");
+        }
+        let e = Snapshot::from_json(br#"{"version":1,"seq":"x"}"#).unwrap_err();
+        assert_eq!(e.field, "seq");
+        let e = Snapshot::from_json(
+            br#"{"version":1,"seq":1,"collector":"c","takenAtMs":1,"hosts":[],"extra":1}"#,
+        )
+        .unwrap_err();
+        assert!(e.reason.contains("unknown field `extra`"), "{e}");
+        let e = Snapshot::from_json(br#"{"version":1,"seq":1,"collector":"c","takenAtMs":1,"hosts":[{"address":"10.0.0.1:1","ready":true,"scrapedAtMs":1,"waiting":-1}]}"#).unwrap_err();
+        assert_eq!(e.field, "hosts[0].waiting");
+        assert!(Snapshot::from_json(b"garbage").is_err());
+    }
+
+    #[test]
+    fn serves_models() {
+        let h = host("10.0.0.1:80");
+        assert!(h.serves("m"));
+        assert!(!h.serves("other"));
+        assert!(HostState {
+            models: vec![],
+            ..host("10.0.0.1:80")
+        }
+        .serves("other"));
+    }
+}
