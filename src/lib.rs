@@ -15,11 +15,15 @@
 
 mod host;
 
+use std::cell::RefCell;
 use std::rc::Rc;
+use std::time::UNIX_EPOCH;
 
-use kvroute_core::decide::{self, Decision, Unparsed};
-use kvroute_core::host::Counter;
-use kvroute_core::host::Metrics;
+use kvroute_core::config::Role;
+use kvroute_core::decide::{self, Decision, FleetInput, Unparsed};
+use kvroute_core::fleet::FleetView;
+use kvroute_core::host::{Counter, Gauge, Metrics};
+use kvroute_core::ingest::{self, FleetCache, Outcome, Refresh, INGEST_PATH};
 use kvroute_core::load::Charge;
 use kvroute_core::{Config, Endpoint};
 use proxy_wasm::hostcalls;
@@ -36,10 +40,30 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
-/// What every stream of this VM shares: the compiled config and metric ids.
+/// What every stream of this VM shares: the compiled config, metric ids and
+/// the decoded fleet snapshot.
 struct Shared {
     config: Config,
     metrics: HostMetrics,
+    fleet: RefCell<FleetCache>,
+}
+
+/// The gateway's clock in Unix milliseconds (0 if the host refuses).
+fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn json_reply(status: u32, body: Option<&str>) {
+    let headers = match body {
+        Some(_) => vec![("content-type", "application/json")],
+        None => vec![],
+    };
+    if let Err(e) = hostcalls::send_http_response(status, headers, body.map(str::as_bytes)) {
+        log::warn!("kvroute: cannot send local reply {status}: {e:?}");
+    }
 }
 
 #[derive(Default)]
@@ -64,16 +88,20 @@ impl RootContext for Root {
         };
         match Config::from_json(&bytes) {
             Ok(config) => {
-                log::info!(
-                    "kvroute: configured {} hosts, header {}, {} fallbacks, epsilon {}",
-                    config.hosts.len(),
-                    config.destination_header,
-                    config.fallbacks,
-                    config.epsilon
-                );
+                match config.role {
+                    Role::Router => log::info!(
+                        "kvroute: router configured: {} hosts, header {}, {} fallbacks, epsilon {}",
+                        config.hosts.len(),
+                        config.destination_header,
+                        config.fallbacks,
+                        config.epsilon
+                    ),
+                    Role::Ingest => log::info!("kvroute: ingest configured at POST {INGEST_PATH}"),
+                }
                 self.shared = Some(Rc::new(Shared {
                     config,
                     metrics: HostMetrics::define(),
+                    fleet: RefCell::new(FleetCache::default()),
                 }));
                 true
             }
@@ -86,6 +114,13 @@ impl RootContext for Root {
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let shared = self.shared.clone()?;
+        if shared.config.role == Role::Ingest {
+            return Some(Box::new(Ingest {
+                id: context_id,
+                shared,
+                done: false,
+            }));
+        }
         Some(Box::new(Stream {
             id: context_id,
             shared,
@@ -122,53 +157,82 @@ fn header(name: &str) -> Option<String> {
 }
 
 impl Stream {
+    /// The fleet snapshot, decoded again only when a newer one was stored.
+    fn fleet(&self) -> Option<Rc<FleetView>> {
+        let Ok(mut cache) = self.shared.fleet.try_borrow_mut() else {
+            return None;
+        };
+        let (view, refresh) = cache.refresh(&self.shared.config, &HostSharedData);
+        let m = &self.shared.metrics;
+        match refresh {
+            Refresh::Decoded => {
+                if let Some(v) = &view {
+                    log::info!(
+                        "[{}] kvroute: fleet snapshot seq {} with {} hosts in use",
+                        self.id,
+                        v.seq,
+                        v.hosts.len()
+                    );
+                    m.gauge(Gauge::FleetHosts, v.hosts.len() as u64);
+                }
+            }
+            Refresh::Failed => m.count(Counter::SnapshotDecodeFailed, 1),
+            Refresh::Unchanged => {}
+        }
+        view
+    }
+
     /// Decides once, sets the destination header, and returns the action.
     fn decide(&mut self, facts: Result<decide::Facts, Unparsed>) -> Action {
+        let view = self.fleet();
+        let now = now_ms();
+        if let Some(v) = &view {
+            self.shared
+                .metrics
+                .gauge(Gauge::SnapshotAgeMs, v.age_ms(now));
+        }
         let cfg = &self.shared.config;
         let d = decide::route(
             cfg,
             &HostSharedData,
             &self.shared.metrics,
             facts.as_ref().map_err(|u| *u),
+            view.as_deref().map(|view| FleetInput { view, now_ms: now }),
             u64::from(self.id),
         );
         log::debug!(
-            "[{}] kvroute decision reason={} key={:?} primary={:?} unparsed={:?}",
+            "[{}] kvroute decision reason={} key={:?} targets={:?} degraded={} unparsed={:?}",
             self.id,
             d.reason.as_str(),
             d.key,
-            d.pick
-                .as_ref()
-                .and_then(|p| cfg.hosts.get(p.primary))
-                .map(|h| &h.addr),
+            d.targets,
+            d.degraded,
             facts.as_ref().err()
         );
         self.pending = d.charge;
-        let action = match &d.pick {
-            Some(pick) => {
-                let value = decide::destination(cfg, pick);
-                if let Err(e) = hostcalls::set_map_value(
-                    MapType::HttpRequestHeaders,
-                    &cfg.destination_header,
-                    Some(&value),
-                ) {
-                    log::warn!(
-                        "[{}] kvroute: cannot set destination header: {e:?}",
-                        self.id
-                    );
-                }
-                Action::Continue
-            }
-            None => {
-                let body =
-                    br#"{"error":{"message":"kvroute: no replica available","type":"no_hosts"}}"#;
-                let _ = hostcalls::send_http_response(
-                    503,
-                    vec![("content-type", "application/json")],
-                    Some(body),
+        let action = if d.targets.is_empty() {
+            let model = facts.as_ref().map(|f| f.model.as_str()).unwrap_or("");
+            let body = serde_json::json!({"error": {
+                "message": format!("kvroute: no ready replica serves model {model:?}"),
+                "type": "no_replica",
+                "model": model,
+            }})
+            .to_string();
+            json_reply(503, Some(&body));
+            Action::Pause
+        } else {
+            let value = decide::destination(&d);
+            if let Err(e) = hostcalls::set_map_value(
+                MapType::HttpRequestHeaders,
+                &cfg.destination_header,
+                Some(&value),
+            ) {
+                log::warn!(
+                    "[{}] kvroute: cannot set destination header: {e:?}",
+                    self.id
                 );
-                Action::Pause
             }
+            Action::Continue
         };
         self.decision = Some(d);
         action
@@ -232,6 +296,11 @@ impl HttpContext for Stream {
         }
         let method = header(":method").unwrap_or_default();
         let path = header(":path").unwrap_or_default();
+        if path.split('?').next() == Some(INGEST_PATH) {
+            // Snapshots are only taken on the loopback ingest listener.
+            json_reply(404, Outcome::NotFound.body().as_deref());
+            return Action::Pause;
+        }
         self.endpoint = Endpoint::from_request(&method, &path);
         if self.endpoint.is_none() {
             return self.decide(Err(Unparsed::NotInference));
@@ -273,7 +342,7 @@ impl HttpContext for Stream {
         self.release(true);
         if self.shared.config.explain_header {
             if let Some(d) = &self.decision {
-                let value = decide::explain(&self.shared.config, d);
+                let value = decide::explain(d);
                 let _ = hostcalls::set_map_value(
                     MapType::HttpResponseHeaders,
                     EXPLAIN_HEADER,
@@ -286,5 +355,93 @@ impl HttpContext for Stream {
 
     fn on_log(&mut self) {
         self.release(false);
+    }
+}
+
+/// One push on the ingest listener: answered locally, never forwarded.
+struct Ingest {
+    id: u32,
+    shared: Rc<Shared>,
+    done: bool,
+}
+
+impl Ingest {
+    fn answer(&mut self, outcome: Outcome) -> Action {
+        if let Some(c) = outcome.counter() {
+            self.shared.metrics.count(c, 1);
+        }
+        match &outcome {
+            Outcome::Accepted { seq } => {
+                log::debug!("[{}] kvroute: ingest accepted seq {seq}", self.id)
+            }
+            other => log::warn!(
+                "[{}] kvroute: ingest refused with {}: {}",
+                self.id,
+                other.status(),
+                other.body().unwrap_or_default()
+            ),
+        }
+        json_reply(outcome.status(), outcome.body().as_deref());
+        self.done = true;
+        Action::Pause
+    }
+
+    fn limit(&self) -> usize {
+        self.shared
+            .config
+            .ingest
+            .as_ref()
+            .map_or(0, |i| i.max_bytes)
+    }
+}
+
+impl Context for Ingest {}
+
+impl HttpContext for Ingest {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let method = header(":method").unwrap_or_default();
+        let path = header(":path").unwrap_or_default();
+        if let Some(o) = ingest::route_check(&method, &path) {
+            return self.answer(o);
+        }
+        let authorized = self
+            .shared
+            .config
+            .ingest
+            .as_ref()
+            .is_some_and(|c| ingest::authorized(c, header("authorization").as_deref()));
+        if !authorized {
+            return self.answer(Outcome::Unauthorized);
+        }
+        let declared = header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
+        if declared.is_some_and(|n| n > self.limit()) {
+            return self.answer(Outcome::TooLarge {
+                limit: self.limit(),
+            });
+        }
+        if end_of_stream {
+            return self.answer(Outcome::Invalid("empty body".into()));
+        }
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.done {
+            return Action::Pause;
+        }
+        if body_size > self.limit() {
+            return self.answer(Outcome::TooLarge {
+                limit: self.limit(),
+            });
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(_) => Vec::new(),
+        };
+        let outcome = ingest::store(&self.shared.config, &HostSharedData, &body, now_ms());
+        self.answer(outcome)
     }
 }

@@ -18,7 +18,13 @@ use crate::picker::HostSet;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RawConfig {
-    /// Replicas as `ip:port`, in any order.
+    /// `router` (the default) routes requests; `ingest` accepts fleet
+    /// snapshots from the collector on a loopback listener.
+    #[serde(default)]
+    pub role: Role,
+    /// Replicas as `ip:port`, in any order: the routing universe until a
+    /// fleet snapshot arrives. Required for the router role.
+    #[serde(default)]
     pub hosts: Vec<String>,
     #[serde(default = "defaults::destination_header")]
     pub destination_header: String,
@@ -38,6 +44,90 @@ pub struct RawConfig {
     pub explain_header: bool,
     #[serde(default = "defaults::shared_data_prefix")]
     pub shared_data_prefix: String,
+    #[serde(default)]
+    pub fleet: RawFleet,
+    /// Required for the ingest role.
+    #[serde(default)]
+    pub ingest: Option<RawIngest>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    #[default]
+    Router,
+    Ingest,
+}
+
+/// How fleet state (from the collector) enters the pick.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RawFleet {
+    #[serde(default = "defaults::stale_after_ms")]
+    pub stale_after_ms: u64,
+    #[serde(default)]
+    pub weights: RawWeights,
+    #[serde(default = "defaults::kv_pressure")]
+    pub kv_pressure: f64,
+    #[serde(default = "defaults::queue_pressure")]
+    pub queue_pressure: u32,
+    #[serde(default = "defaults::waiting_request_tokens")]
+    pub waiting_request_tokens: u64,
+    #[serde(default = "defaults::queue_norm_tokens")]
+    pub queue_norm_tokens: u64,
+    #[serde(default = "defaults::score_quantum")]
+    pub score_quantum: f64,
+    #[serde(default = "defaults::prefix_index_slots")]
+    pub prefix_index_slots: u32,
+    #[serde(default = "defaults::prefix_ttl_ms")]
+    pub prefix_ttl_ms: u64,
+}
+
+impl Default for RawFleet {
+    fn default() -> Self {
+        RawFleet {
+            stale_after_ms: defaults::stale_after_ms(),
+            weights: RawWeights::default(),
+            kv_pressure: defaults::kv_pressure(),
+            queue_pressure: defaults::queue_pressure(),
+            waiting_request_tokens: defaults::waiting_request_tokens(),
+            queue_norm_tokens: defaults::queue_norm_tokens(),
+            score_quantum: defaults::score_quantum(),
+            prefix_index_slots: defaults::prefix_index_slots(),
+            prefix_ttl_ms: defaults::prefix_ttl_ms(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RawWeights {
+    #[serde(default = "defaults::w_prefix")]
+    pub prefix: f64,
+    #[serde(default = "defaults::w_kv")]
+    pub kv: f64,
+    #[serde(default = "defaults::w_queue")]
+    pub queue: f64,
+}
+
+impl Default for RawWeights {
+    fn default() -> Self {
+        RawWeights {
+            prefix: defaults::w_prefix(),
+            kv: defaults::w_kv(),
+            queue: defaults::w_queue(),
+        }
+    }
+}
+
+/// The ingest role's settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RawIngest {
+    /// Bearer token the collector must present.
+    pub token: String,
+    #[serde(default = "defaults::ingest_max_bytes")]
+    pub max_bytes: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -124,6 +214,58 @@ pub mod defaults {
     pub fn shared_data_prefix() -> String {
         "kvroute".into()
     }
+    /// Eight scrape intervals of 250 ms: a host whose data is older was
+    /// missed by several scrapes in a row.
+    pub fn stale_after_ms() -> u64 {
+        2000
+    }
+    /// Locality's weight: a full prefix hit (1.0) outweighs KV and queue
+    /// pressure together below the pressure thresholds (at most 0.9 + 1),
+    /// so conversations stay until their replica is pressured.
+    pub fn w_prefix() -> f64 {
+        3.0
+    }
+    pub fn w_kv() -> f64 {
+        1.0
+    }
+    pub fn w_queue() -> f64 {
+        1.0
+    }
+    /// vLLM starts preempting near full KV; past 90 % a replica takes no
+    /// work that another replica can take.
+    pub fn kv_pressure() -> f64 {
+        0.9
+    }
+    /// Waiting requests at which a replica counts as pressured.
+    pub fn queue_pressure() -> u32 {
+        32
+    }
+    /// Tokens assumed per waiting request (the engine reports counts).
+    pub fn waiting_request_tokens() -> u64 {
+        1024
+    }
+    /// Queued tokens that count as a full queue term (1.0).
+    pub fn queue_norm_tokens() -> u64 {
+        32 * 1024
+    }
+    /// Scores within this of each other tie, and the rendezvous rank
+    /// decides: keeps the pick stable against metric noise.
+    pub fn score_quantum() -> f64 {
+        0.05
+    }
+    /// Slots of the gateway's prefix index (one shared-data key each, about
+    /// 100 bytes with Envoy's overhead).
+    pub fn prefix_index_slots() -> u32 {
+        16384
+    }
+    /// Index entries older than this are assumed evicted by the engine.
+    pub fn prefix_ttl_ms() -> u64 {
+        600_000
+    }
+    /// Snapshots of 4096 hosts are about 1 MB of JSON.
+    pub fn ingest_max_bytes() -> u64 {
+        4 << 20
+    }
 }
 
 /// A configuration error: which field, what value, why.
@@ -171,6 +313,37 @@ pub struct Config {
     pub explain_header: bool,
     /// Shared-data key of the in-flight load table.
     pub load_key: String,
+    pub role: Role,
+    pub fleet: FleetConfig,
+    pub ingest: Option<IngestConfig>,
+}
+
+/// Compiled fleet-scoring settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FleetConfig {
+    pub stale_after_ms: u64,
+    pub w_prefix: f64,
+    pub w_kv: f64,
+    pub w_queue: f64,
+    pub kv_pressure: f64,
+    pub queue_pressure: u32,
+    pub waiting_request_tokens: u64,
+    pub queue_norm_tokens: u64,
+    pub score_quantum: f64,
+    pub prefix_index_slots: u64,
+    pub prefix_ttl_ms: u64,
+    /// Shared-data key of the snapshot JSON.
+    pub snapshot_key: String,
+    /// Shared-data key of the snapshot's version stamp (seq, ingest time).
+    pub stamp_key: String,
+    /// Prefix of the prefix-index slot keys.
+    pub index_key_prefix: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct IngestConfig {
+    pub token: String,
+    pub max_bytes: usize,
 }
 
 /// Upper bounds that keep the filter's allocation bounded whatever the
@@ -213,7 +386,7 @@ fn valid_header_name(name: &str) -> bool {
 
 impl RawConfig {
     pub fn compile(self) -> Result<Config, ConfigError> {
-        if self.hosts.is_empty() {
+        if self.role == Role::Router && self.hosts.is_empty() {
             return Err(err("hosts", "[]", "must list at least one ip:port"));
         }
         if self.hosts.len() > MAX_HOSTS {
@@ -330,7 +503,116 @@ impl RawConfig {
                 "must be 1 to 128 characters of [A-Za-z0-9._-]",
             ));
         }
+        let f = &self.fleet;
+        let weights = [
+            ("prefix", f.weights.prefix),
+            ("kv", f.weights.kv),
+            ("queue", f.weights.queue),
+        ];
+        for (name, w) in weights {
+            if !(w.is_finite() && (0.0..=100.0).contains(&w)) {
+                return Err(err(
+                    &format!("fleet.weights.{name}"),
+                    w,
+                    "must be between 0 and 100",
+                ));
+            }
+        }
+        if !(1..=3_600_000).contains(&f.stale_after_ms) {
+            return Err(err(
+                "fleet.staleAfterMs",
+                f.stale_after_ms,
+                "must be between 1 and 3600000",
+            ));
+        }
+        if !(f.kv_pressure.is_finite() && f.kv_pressure > 0.0 && f.kv_pressure <= 1.0) {
+            return Err(err(
+                "fleet.kvPressure",
+                f.kv_pressure,
+                "must be greater than 0 and at most 1",
+            ));
+        }
+        if f.queue_pressure == 0 {
+            return Err(err(
+                "fleet.queuePressure",
+                f.queue_pressure,
+                "must be at least 1",
+            ));
+        }
+        if f.queue_norm_tokens == 0 {
+            return Err(err(
+                "fleet.queueNormTokens",
+                f.queue_norm_tokens,
+                "must be at least 1",
+            ));
+        }
+        if !(f.score_quantum.is_finite() && (0.0..=10.0).contains(&f.score_quantum)) {
+            return Err(err(
+                "fleet.scoreQuantum",
+                f.score_quantum,
+                "must be between 0 and 10",
+            ));
+        }
+        if !(1..=1 << 20).contains(&f.prefix_index_slots) {
+            return Err(err(
+                "fleet.prefixIndexSlots",
+                f.prefix_index_slots,
+                "must be between 1 and 1048576",
+            ));
+        }
+        let ingest = match (self.role, &self.ingest) {
+            (Role::Ingest, None) => {
+                return Err(err(
+                    "ingest",
+                    "",
+                    "required when role is \"ingest\" (set ingest.token)",
+                ))
+            }
+            (_, Some(i)) => {
+                if i.token.len() < 16
+                    || i.token.len() > 4096
+                    || !i.token.bytes().all(|b| b.is_ascii_graphic())
+                {
+                    return Err(err(
+                        "ingest.token",
+                        "(hidden)",
+                        "must be 16 to 4096 printable ASCII characters without spaces",
+                    ));
+                }
+                if i.max_bytes == 0 || i.max_bytes > MAX_BODY_BYTES {
+                    return Err(err(
+                        "ingest.maxBytes",
+                        i.max_bytes,
+                        &format!("must be between 1 and {MAX_BODY_BYTES}"),
+                    ));
+                }
+                Some(IngestConfig {
+                    token: i.token.clone(),
+                    max_bytes: i.max_bytes as usize,
+                })
+            }
+            (Role::Router, None) => None,
+        };
+        let fleet = FleetConfig {
+            stale_after_ms: f.stale_after_ms,
+            w_prefix: f.weights.prefix,
+            w_kv: f.weights.kv,
+            w_queue: f.weights.queue,
+            kv_pressure: f.kv_pressure,
+            queue_pressure: f.queue_pressure,
+            waiting_request_tokens: f.waiting_request_tokens,
+            queue_norm_tokens: f.queue_norm_tokens,
+            score_quantum: f.score_quantum,
+            prefix_index_slots: u64::from(f.prefix_index_slots),
+            prefix_ttl_ms: f.prefix_ttl_ms,
+            snapshot_key: format!("{prefix}.fleet.v1"),
+            stamp_key: format!("{prefix}.fleet.stamp.v1"),
+            index_key_prefix: format!("{prefix}.px."),
+        };
         Ok(Config {
+            role: self.role,
+            fleet,
+            ingest,
             hosts: HostSet::new(self.hosts),
             load_key: format!("{prefix}.load.v1"),
             destination_header: self.destination_header,
@@ -369,6 +651,28 @@ mod tests {
         assert_eq!(c.max_body_bytes, 1 << 20);
         assert_eq!(c.load_key, "kvroute.load.v1");
         assert!(!c.explain_header);
+        assert_eq!(c.role, Role::Router);
+        assert_eq!(c.fleet.stale_after_ms, 2000);
+        assert_eq!(c.fleet.w_prefix, 3.0);
+        assert_eq!(c.fleet.snapshot_key, "kvroute.fleet.v1");
+        assert!(c.ingest.is_none());
+    }
+
+    #[test]
+    fn ingest_role_needs_a_token_and_no_hosts() {
+        let c = compile(r#"{"role":"ingest","ingest":{"token":"0123456789abcdef"}}"#).unwrap();
+        assert_eq!(c.role, Role::Ingest);
+        assert_eq!(c.ingest.unwrap().max_bytes, 4 << 20);
+        let e = compile(r#"{"role":"ingest"}"#).unwrap_err();
+        assert_eq!(e.field, "ingest");
+        let e = compile(r#"{"role":"ingest","ingest":{"token":"short"}}"#).unwrap_err();
+        assert_eq!(e.field, "ingest.token");
+        assert!(
+            !e.to_string().contains("short"),
+            "the token is never echoed: {e}"
+        );
+        let e = compile(r#"{"role":"gateway"}"#).unwrap_err();
+        assert_eq!(e.field, "role");
     }
 
     #[test]
@@ -418,6 +722,16 @@ mod tests {
                 "[A-Za-z0-9._-]",
             ),
             (
+                r#"{"hosts":["127.0.0.1:1"],"fleet":{"kvPressure":1.5}}"#,
+                "fleet.kvPressure",
+                "at most 1",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"fleet":{"weights":{"kv":-1}}}"#,
+                "fleet.weights.kv",
+                "between 0 and 100",
+            ),
+            (
                 r#"{"hosts":["127.0.0.1:1"],"maxBodyBytes":0}"#,
                 "maxBodyBytes",
                 "between 1",
@@ -446,6 +760,6 @@ mod tests {
         let e = compile(r#"{"hosts":["127.0.0.1:1"]} trailing"#).unwrap_err();
         assert!(e.to_string().contains("trailing"), "{e}");
         let e = compile(r#"{"epsilon":1}"#).unwrap_err();
-        assert!(e.to_string().contains("missing field `hosts`"), "{e}");
+        assert_eq!(e.field, "hosts");
     }
 }

@@ -33,11 +33,14 @@
 use xxhash_rust::xxh64::xxh64;
 
 use crate::config::Config;
+use crate::fleet::FleetView;
 use crate::hash::{model_seed, BlockHasher};
 use crate::host::{Counter, Gauge, Metrics, SharedData};
+use crate::index::Index;
 use crate::load::{self, Charge, LoadTable};
-use crate::picker::{self, Bounds, Pick};
+use crate::picker::{self, Bounds, HostSet, Pick};
 use crate::request::{self, CanonicalSink, Endpoint, ParseError};
+use crate::score::{self, Candidate};
 
 /// Separates session keys from prefix keys of the same model.
 const SESSION_SALT: u64 = 0x5e55_1011_4b65_7900;
@@ -123,6 +126,8 @@ impl Affinity {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Facts {
     pub endpoint: Endpoint,
+    /// The request's `model` ("" when absent).
+    pub model: String,
     pub affinity: Affinity,
     /// Chained prefix block hashes, at most `maxBlocks`.
     pub blocks: Vec<u64>,
@@ -226,6 +231,7 @@ pub fn analyze(
         .min(cfg.output_tokens_cap);
     Ok(Facts {
         endpoint,
+        model: parsed.model.as_deref().unwrap_or("").to_owned(),
         affinity,
         blocks: sink.hasher.into_blocks(),
         input_tokens,
@@ -239,7 +245,13 @@ pub fn analyze(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
     pub reason: Reason,
+    /// Positions in the routing universe (config hosts, or the snapshot's).
     pub pick: Option<Pick>,
+    /// Addresses: the primary, then the fallbacks.
+    pub targets: Vec<String>,
+    /// Some candidate was scored on gateway-side load only (its data was
+    /// stale), or there was no snapshot at all.
+    pub degraded: bool,
     pub key: Option<u64>,
     /// What was added to the load table, to be released later.
     pub charge: Option<Charge>,
@@ -256,6 +268,8 @@ pub fn pick_for(cfg: &Config, facts: &Facts, loads: &[u64]) -> Decision {
         None => Decision {
             reason: Reason::NoHosts,
             pick: None,
+            targets: Vec::new(),
+            degraded: true,
             key: Some(key),
             charge: None,
         },
@@ -272,7 +286,107 @@ pub fn pick_for(cfg: &Config, facts: &Facts, loads: &[u64]) -> Decision {
             });
             Decision {
                 reason,
+                targets: targets(&cfg.hosts, &p),
                 pick: Some(p),
+                degraded: true,
+                key: Some(key),
+                charge,
+            }
+        }
+    }
+}
+
+fn targets(hosts: &HostSet, p: &Pick) -> Vec<String> {
+    std::iter::once(p.primary)
+        .chain(p.fallbacks.iter().copied())
+        .filter_map(|i| hosts.get(i).map(|h| h.addr.clone()))
+        .collect()
+}
+
+/// Scores the snapshot's replicas for parsed facts and picks among them.
+/// `hits` is the prefix index's answer, `table` the gateway's load.
+pub fn pick_fleet(
+    cfg: &Config,
+    facts: &Facts,
+    view: &FleetView,
+    table: &LoadTable,
+    hits: &[(u64, u32)],
+    now_ms: u64,
+) -> Decision {
+    let f = &cfg.fleet;
+    let view_age = view.age_ms(now_ms);
+    let blocks = facts.blocks.len().max(1) as f64;
+    let mut degraded = false;
+    let mut cands = Vec::with_capacity(view.hosts.len());
+    for (index, (host, id)) in view.hosts.iter().zip(view.set.iter()).enumerate() {
+        if !host.state.serves(&facts.model) {
+            continue;
+        }
+        let fresh = host.age_ms(view_age) <= f.stale_after_ms;
+        if fresh && (!host.state.ready || host.state.draining) {
+            continue;
+        }
+        // Stale data says nothing reliable about readiness or load: such a
+        // replica stays a candidate, scored on the gateway's load only, and
+        // Envoy's retries cover it if it is gone.
+        degraded |= !fresh;
+        let (kv, waiting) = if fresh {
+            (host.state.kv_utilization, host.state.waiting)
+        } else {
+            (0.0, 0)
+        };
+        let gw = table.entry(id.id);
+        let queued = u64::from(waiting)
+            .saturating_mul(f.waiting_request_tokens)
+            .max(gw.prefill);
+        let queue_term = (queued as f64 / f.queue_norm_tokens as f64).min(1.0);
+        let hit = hits
+            .iter()
+            .find(|(h, _)| *h == id.id)
+            .map_or(0.0, |&(_, d)| f64::from(d) / blocks)
+            .min(1.0);
+        let kv_tokens = match (fresh, host.state.kv_capacity_tokens) {
+            (true, Some(cap)) => (kv * cap as f64) as u64,
+            _ => 0,
+        };
+        cands.push(Candidate {
+            index,
+            id: id.id,
+            score: f.w_prefix * hit - f.w_kv * kv - f.w_queue * queue_term,
+            pressured: fresh && (kv >= f.kv_pressure || waiting >= f.queue_pressure),
+            load: gw.prefill.saturating_add(gw.decode).max(kv_tokens),
+        });
+    }
+    let key = facts.affinity.key();
+    let bounds = Bounds {
+        epsilon: cfg.epsilon,
+        fallbacks: cfg.fallbacks,
+    };
+    match score::pick_scored(&cands, key, facts.cost(), f.score_quantum, bounds) {
+        None => Decision {
+            reason: Reason::NoHosts,
+            pick: None,
+            targets: Vec::new(),
+            degraded,
+            key: Some(key),
+            charge: None,
+        },
+        Some(p) => {
+            let reason = match (p.spilled, facts.affinity) {
+                (true, _) => Reason::Spill,
+                (false, Affinity::Session(_)) => Reason::Session,
+                (false, Affinity::Prefix(_)) => Reason::Prefix,
+            };
+            let charge = view.set.get(p.primary).map(|h| Charge {
+                host: h.id,
+                prefill: facts.input_tokens,
+                decode: facts.output_tokens,
+            });
+            Decision {
+                reason,
+                targets: targets(&view.set, &p),
+                pick: Some(p),
+                degraded,
                 key: Some(key),
                 charge,
             }
@@ -286,58 +400,97 @@ fn publish_totals(metrics: &dyn Metrics, table: &LoadTable) {
     metrics.gauge(Gauge::InflightDecodeTokens, decode);
 }
 
+/// Fleet state for a decision: the decoded snapshot and the gateway's clock.
+#[derive(Debug, Clone, Copy)]
+pub struct FleetInput<'a> {
+    pub view: &'a FleetView,
+    pub now_ms: u64,
+}
+
 /// Decides for one request and charges its cost to the chosen host, in one
 /// compare-and-swap on the shared load table (so concurrent workers see each
 /// other's picks). If the table cannot be updated the decision is still made,
 /// on the loads last read, without accounting, and counted.
+///
+/// With a fleet snapshot the snapshot's replicas are scored
+/// ([`pick_fleet`]) and the request's prefix is recorded in the prefix index
+/// under its primary; without one, the foundation pick over the configured
+/// hosts runs ([`pick_for`]).
 pub fn route(
     cfg: &Config,
     store: &dyn SharedData,
     metrics: &dyn Metrics,
     facts: Result<&Facts, Unparsed>,
+    fleet: Option<FleetInput<'_>>,
     tiebreak: u64,
 ) -> Decision {
     let decision = match facts {
         Ok(facts) => {
+            let index = fleet.map(|_| Index {
+                slots: cfg.fleet.prefix_index_slots,
+                ttl_ms: cfg.fleet.prefix_ttl_ms,
+                key_prefix: &cfg.fleet.index_key_prefix,
+            });
+            let hits = match (index, fleet) {
+                (Some(ix), Some(f)) => ix.lookup(store, &facts.blocks, f.now_ms),
+                _ => Vec::new(),
+            };
+            let decide = |table: &LoadTable| match fleet {
+                Some(f) => pick_fleet(cfg, facts, f.view, table, &hits, f.now_ms),
+                None => pick_for(cfg, facts, &table.loads_for(&cfg.hosts)),
+            };
             let result = load::update(store, &cfg.load_key, |table| {
-                let d = pick_for(cfg, facts, &table.loads_for(&cfg.hosts));
+                let d = decide(table);
                 if let Some(c) = d.charge {
                     table.add(c);
                 }
                 d
             });
-            match result {
+            let d = match result {
                 Ok((d, table)) => {
                     publish_totals(metrics, &table);
                     d
                 }
                 Err(_) => {
                     metrics.count(Counter::LoadUpdateFailed, 1);
-                    let loads = load::read(store, &cfg.load_key).loads_for(&cfg.hosts);
                     Decision {
                         charge: None,
-                        ..pick_for(cfg, facts, &loads)
+                        ..decide(&load::read(store, &cfg.load_key))
                     }
                 }
+            };
+            if let (Some(ix), Some(f), Some(p)) = (index, fleet, d.pick.as_ref()) {
+                if let Some(h) = f.view.set.get(p.primary) {
+                    ix.record(store, &facts.blocks, h.id, f.now_ms);
+                }
             }
+            d
         }
         Err(cause) => {
             metrics.count(cause.counter(), 1);
-            let loads = load::read(store, &cfg.load_key).loads_for(&cfg.hosts);
-            let pick = picker::pick_least_loaded(&cfg.hosts, &loads, tiebreak, cfg.fallbacks);
+            let table = load::read(store, &cfg.load_key);
+            // Unparsed requests have no model: any replica of the universe.
+            let hosts = fleet.map_or(&cfg.hosts, |f| &f.view.set);
+            let pick =
+                picker::pick_least_loaded(hosts, &table.loads_for(hosts), tiebreak, cfg.fallbacks);
             Decision {
                 reason: if pick.is_some() {
                     Reason::Fallback
                 } else {
                     Reason::NoHosts
                 },
+                targets: pick.as_ref().map(|p| targets(hosts, p)).unwrap_or_default(),
                 pick,
+                degraded: fleet.is_none(),
                 key: None,
                 charge: None,
             }
         }
     };
     metrics.count(decision.reason.counter(), 1);
+    if decision.degraded {
+        metrics.count(Counter::DecisionDegraded, 1);
+    }
     decision
 }
 
@@ -353,26 +506,13 @@ pub fn release(cfg: &Config, store: &dyn SharedData, metrics: &dyn Metrics, char
 }
 
 /// The destination header's value: primary, then fallbacks.
-pub fn destination(cfg: &Config, pick: &Pick) -> String {
-    let mut out = String::new();
-    for i in std::iter::once(pick.primary).chain(pick.fallbacks.iter().copied()) {
-        if let Some(h) = cfg.hosts.get(i) {
-            if !out.is_empty() {
-                out.push(',');
-            }
-            out.push_str(&h.addr);
-        }
-    }
-    out
+pub fn destination(d: &Decision) -> String {
+    d.targets.join(",")
 }
 
 /// The `x-kvroute-decision` explanation.
-pub fn explain(cfg: &Config, d: &Decision) -> String {
-    let host = d
-        .pick
-        .as_ref()
-        .and_then(|p| cfg.hosts.get(p.primary))
-        .map_or("-", |h| h.addr.as_str());
+pub fn explain(d: &Decision) -> String {
+    let host = d.targets.first().map_or("-", String::as_str);
     match d.key {
         Some(k) => format!(
             "reason={}; host={}; key={:016x}",
@@ -532,7 +672,7 @@ mod tests {
             ),
             Some("s"),
         );
-        let d = route(&c, &store, &m, Ok(&f), 0);
+        let d = route(&c, &store, &m, Ok(&f), None, 0);
         assert_eq!(d.reason, Reason::Session);
         let charge = d.charge.unwrap();
         assert_eq!((charge.prefill, charge.decode), (f.input_tokens, 50));
@@ -576,20 +716,20 @@ mod tests {
             ),
             Some("hot"),
         );
-        let first = route(&c, &store, &m, Ok(&f), 0);
-        let second = route(&c, &store, &m, Ok(&f), 0);
+        let first = route(&c, &store, &m, Ok(&f), None, 0);
+        let second = route(&c, &store, &m, Ok(&f), None, 0);
         assert_eq!(first.reason, Reason::Session);
         assert_eq!(second.reason, Reason::Spill);
         let (p1, p2) = (first.pick.unwrap(), second.pick.clone().unwrap());
         assert_ne!(p1.primary, p2.primary);
         assert_eq!(m.counter(Counter::DecisionSpill), 1);
-        let text = explain(&c, &second);
+        let text = explain(&second);
         assert!(
             text.starts_with("reason=spill; host=127.0.0.1:80"),
             "{text}"
         );
         assert!(text.contains(&format!("key={:016x}", f.affinity.key())));
-        let dest = destination(&c, &p2);
+        let dest = destination(&second);
         assert_eq!(dest.split(',').count(), 3);
     }
 
@@ -599,16 +739,16 @@ mod tests {
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
         let f = facts(&chat(json!([]), json!({})), Some("busy"));
-        let busy = route(&c, &store, &m, Ok(&f), 0).pick.unwrap().primary;
+        let busy = route(&c, &store, &m, Ok(&f), None, 0).pick.unwrap().primary;
         for tiebreak in 0..8 {
-            let d = route(&c, &store, &m, Err(Unparsed::Invalid), tiebreak);
+            let d = route(&c, &store, &m, Err(Unparsed::Invalid), None, tiebreak);
             assert_eq!(d.reason, Reason::Fallback);
             assert_eq!(d.charge, None);
             assert_ne!(d.pick.unwrap().primary, busy);
         }
         assert_eq!(m.counter(Counter::UnparsedInvalid), 8);
         assert_eq!(
-            explain(&c, &route(&c, &store, &m, Err(Unparsed::Empty), 0))
+            explain(&route(&c, &store, &m, Err(Unparsed::Empty), None, 0))
                 .split("; ")
                 .nth(2),
             Some("key=-")
@@ -623,7 +763,7 @@ mod tests {
         store.set(&c.load_key, b"KVL1", None).unwrap();
         store.conflicts.set(usize::MAX);
         let f = facts(&chat(json!([]), json!({})), Some("s"));
-        let d = route(&c, &store, &m, Ok(&f), 0);
+        let d = route(&c, &store, &m, Ok(&f), None, 0);
         assert_eq!(d.reason, Reason::Session);
         assert_eq!(d.charge, None);
         assert_eq!(m.counter(Counter::LoadUpdateFailed), 1);

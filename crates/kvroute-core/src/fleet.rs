@@ -28,6 +28,8 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::picker::HostSet;
+
 /// The snapshot schema version this build reads and writes.
 pub const SNAPSHOT_VERSION: u32 = 1;
 /// Bounds that keep a snapshot's decoded size bounded whatever is pushed.
@@ -208,6 +210,84 @@ impl HostState {
     }
 }
 
+/// The version stamp stored next to the snapshot: its `seq` and when the
+/// gateway accepted it (gateway clock). Readers compare stamps (16 bytes)
+/// on every request and decode the snapshot only when the stamp changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Stamp {
+    pub seq: u64,
+    pub ingested_at_ms: u64,
+}
+
+impl Stamp {
+    pub fn encode(&self) -> [u8; 16] {
+        let mut out = [0u8; 16];
+        let (a, b) = out.split_at_mut(8);
+        a.copy_from_slice(&self.seq.to_le_bytes());
+        b.copy_from_slice(&self.ingested_at_ms.to_le_bytes());
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Stamp> {
+        let seq = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
+        let ingested_at_ms = u64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
+        (bytes.len() == 16).then_some(Stamp {
+            seq,
+            ingested_at_ms,
+        })
+    }
+}
+
+/// A snapshot as the router uses it: hosts with ids and ages.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FleetView {
+    pub seq: u64,
+    pub ingested_at_ms: u64,
+    pub hosts: Vec<FleetHost>,
+    pub set: HostSet,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct FleetHost {
+    pub state: HostState,
+    /// How old the host's data was when the snapshot was taken.
+    pub age_at_push_ms: u64,
+}
+
+impl FleetView {
+    pub fn new(snapshot: Snapshot, ingested_at_ms: u64) -> FleetView {
+        let taken = snapshot.taken_at_ms;
+        let set = HostSet::new(snapshot.hosts.iter().map(|h| h.address.clone()));
+        let hosts = snapshot
+            .hosts
+            .into_iter()
+            .map(|state| FleetHost {
+                age_at_push_ms: taken.saturating_sub(state.scraped_at_ms),
+                state,
+            })
+            .collect();
+        FleetView {
+            seq: snapshot.seq,
+            ingested_at_ms,
+            hosts,
+            set,
+        }
+    }
+
+    /// Age of the snapshot itself, by the gateway's clock.
+    pub fn age_ms(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_sub(self.ingested_at_ms)
+    }
+}
+
+impl FleetHost {
+    /// Age of this host's data now: its age at push plus the time since
+    /// ingest (both measured on one clock each, never across clocks).
+    pub fn age_ms(&self, view_age_ms: u64) -> u64 {
+        self.age_at_push_ms.saturating_add(view_age_ms)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -321,6 +401,23 @@ mod tests {
         let e = Snapshot::from_json(br#"{"version":1,"seq":1,"collector":"c","takenAtMs":1,"hosts":[{"address":"10.0.0.1:1","ready":true,"scrapedAtMs":1,"waiting":-1}]}"#).unwrap_err();
         assert_eq!(e.field, "hosts[0].waiting");
         assert!(Snapshot::from_json(b"garbage").is_err());
+    }
+
+    #[test]
+    fn stamp_round_trip_and_ages() {
+        let st = Stamp {
+            seq: 9,
+            ingested_at_ms: 1234,
+        };
+        assert_eq!(Stamp::decode(&st.encode()), Some(st));
+        assert_eq!(Stamp::decode(b"short"), None);
+        let v = FleetView::new(snap(vec![host("10.0.0.1:80")]), 1000);
+        assert_eq!(v.age_ms(1500), 500);
+        assert_eq!(v.hosts[0].age_ms(v.age_ms(1500)), 510);
+        assert_eq!(
+            v.set.index_of(crate::picker::host_id("10.0.0.1:80")),
+            Some(0)
+        );
     }
 
     #[test]

@@ -33,6 +33,17 @@ pub struct MemorySharedData {
     pub conflicts: Cell<usize>,
 }
 
+impl MemorySharedData {
+    /// Number of keys stored.
+    pub fn len(&self) -> usize {
+        self.map.borrow().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.borrow().is_empty()
+    }
+}
+
 impl SharedData for MemorySharedData {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
         Ok(match self.map.borrow().get(key) {
@@ -75,10 +86,17 @@ pub enum Counter {
     UnparsedTooLarge,
     BodyBytes,
     LoadUpdateFailed,
+    DecisionDegraded,
+    IngestAccepted,
+    IngestUnauthorized,
+    IngestTooLarge,
+    IngestInvalid,
+    IngestStale,
+    SnapshotDecodeFailed,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 12] = [
+    pub const ALL: [Counter; 19] = [
         Counter::DecisionSession,
         Counter::DecisionPrefix,
         Counter::DecisionSpill,
@@ -91,6 +109,13 @@ impl Counter {
         Counter::UnparsedTooLarge,
         Counter::BodyBytes,
         Counter::LoadUpdateFailed,
+        Counter::DecisionDegraded,
+        Counter::IngestAccepted,
+        Counter::IngestUnauthorized,
+        Counter::IngestTooLarge,
+        Counter::IngestInvalid,
+        Counter::IngestStale,
+        Counter::SnapshotDecodeFailed,
     ];
 
     pub fn name(self) -> &'static str {
@@ -107,6 +132,13 @@ impl Counter {
             Counter::UnparsedTooLarge => "kvroute_unparsed_too_large_total",
             Counter::BodyBytes => "kvroute_body_bytes_total",
             Counter::LoadUpdateFailed => "kvroute_load_update_failures_total",
+            Counter::DecisionDegraded => "kvroute_decisions_degraded_total",
+            Counter::IngestAccepted => "kvroute_ingest_accepted_total",
+            Counter::IngestUnauthorized => "kvroute_ingest_unauthorized_total",
+            Counter::IngestTooLarge => "kvroute_ingest_too_large_total",
+            Counter::IngestInvalid => "kvroute_ingest_invalid_total",
+            Counter::IngestStale => "kvroute_ingest_stale_total",
+            Counter::SnapshotDecodeFailed => "kvroute_snapshot_decode_failures_total",
         }
     }
 }
@@ -116,15 +148,26 @@ impl Counter {
 pub enum Gauge {
     InflightPrefillTokens,
     InflightDecodeTokens,
+    /// Age of the fleet snapshot in use (gateway clock), ms.
+    SnapshotAgeMs,
+    /// Replicas in the snapshot in use.
+    FleetHosts,
 }
 
 impl Gauge {
-    pub const ALL: [Gauge; 2] = [Gauge::InflightPrefillTokens, Gauge::InflightDecodeTokens];
+    pub const ALL: [Gauge; 4] = [
+        Gauge::InflightPrefillTokens,
+        Gauge::InflightDecodeTokens,
+        Gauge::SnapshotAgeMs,
+        Gauge::FleetHosts,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Gauge::InflightPrefillTokens => "kvroute_inflight_prefill_tokens",
             Gauge::InflightDecodeTokens => "kvroute_inflight_decode_tokens",
+            Gauge::SnapshotAgeMs => "kvroute_fleet_snapshot_age_ms",
+            Gauge::FleetHosts => "kvroute_fleet_hosts",
         }
     }
 }

@@ -20,9 +20,12 @@ pub mod decide;
 pub mod fleet;
 pub mod hash;
 pub mod host;
+pub mod index;
+pub mod ingest;
 pub mod load;
 pub mod picker;
 pub mod request;
+pub mod score;
 
 pub use config::{Config, ConfigError};
 pub use decide::{analyze, route, Decision, Facts, Reason, Unparsed};

@@ -84,6 +84,18 @@ impl LoadTable {
         &self.entries
     }
 
+    /// One host's entry (zero when idle).
+    pub fn entry(&self, host: u64) -> Entry {
+        self.entries
+            .iter()
+            .find(|e| e.host == host)
+            .copied()
+            .unwrap_or(Entry {
+                host,
+                ..Entry::default()
+            })
+    }
+
     /// Total load per host, aligned with `hosts`.
     pub fn loads_for(&self, hosts: &HostSet) -> Vec<u64> {
         let mut loads = vec![0u64; hosts.len()];

@@ -54,7 +54,7 @@ pub struct Host {
 }
 
 /// The configured hosts, with an index from id to position.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HostSet {
     hosts: Vec<Host>,
     by_id: Vec<(u64, usize)>,

@@ -1,0 +1,216 @@
+//! The gateway's prefix index: which replica was last sent which prefix.
+//!
+//! The expected prefix hit of a replica is worked out from what the gateway
+//! routed there (engines do not export their cache contents). The index is a
+//! direct-mapped table in proxy-wasm shared data: `slots` keys, one entry
+//! each, so its memory is bounded by configuration whatever the traffic
+//! (`slots` x about 100 bytes with Envoy's per-key overhead). Shared data is
+//! process-wide, so every Envoy worker reads and writes the same index;
+//! gateway replicas each keep their own.
+//!
+//! Each entry is `(block hash, host id, depth, written at)`: a request of
+//! `depth` blocks whose block at this position hashed to `block hash` was
+//! sent to `host id`. Because block hashes are chained, a match at position
+//! `p` means the replica was sent this request's first `p + 1` blocks.
+//!
+//! A request records itself at the sampled positions `0, 1, 3, 7, 15, ...`
+//! (2^k - 1) and at its last block: at most `log2(maxBlocks) + 2` writes. A
+//! lookup probes the same positions, deepest first, and for each match
+//! checks one more position, the last block of the request that wrote the
+//! entry (which that request recorded), so the depth of a growing
+//! conversation's previous turn is found exactly, not just to a power of two.
+//! Collisions evict (last writer wins); entries older than `ttl_ms` count as
+//! evicted by the engine. An overwritten entry only loses locality
+//! information, never correctness.
+
+use crate::host::SharedData;
+
+const ENTRY: usize = 28;
+
+/// Index parameters, from the config.
+#[derive(Debug, Clone, Copy)]
+pub struct Index<'a> {
+    pub slots: u64,
+    pub ttl_ms: u64,
+    pub key_prefix: &'a str,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    block: u64,
+    host: u64,
+    depth: u32,
+    at_ms: u64,
+}
+
+impl Entry {
+    fn encode(&self) -> [u8; ENTRY] {
+        let mut out = [0u8; ENTRY];
+        out[..8].copy_from_slice(&self.block.to_le_bytes());
+        out[8..16].copy_from_slice(&self.host.to_le_bytes());
+        out[16..20].copy_from_slice(&self.depth.to_le_bytes());
+        out[20..28].copy_from_slice(&self.at_ms.to_le_bytes());
+        out
+    }
+
+    fn decode(b: &[u8]) -> Option<Entry> {
+        if b.len() != ENTRY {
+            return None;
+        }
+        Some(Entry {
+            block: u64::from_le_bytes(b.get(..8)?.try_into().ok()?),
+            host: u64::from_le_bytes(b.get(8..16)?.try_into().ok()?),
+            depth: u32::from_le_bytes(b.get(16..20)?.try_into().ok()?),
+            at_ms: u64::from_le_bytes(b.get(20..28)?.try_into().ok()?),
+        })
+    }
+}
+
+/// Sampled positions for a request of `n` blocks, deepest first.
+pub fn positions(n: usize) -> Vec<usize> {
+    let mut out: Vec<usize> = Vec::new();
+    if n == 0 {
+        return out;
+    }
+    out.push(n - 1);
+    let mut p = 1usize;
+    while p <= n {
+        if p - 1 != n - 1 {
+            out.push(p - 1);
+        }
+        p = p.saturating_mul(2);
+        if p == usize::MAX {
+            break;
+        }
+    }
+    out.sort_unstable_by(|a, b| b.cmp(a));
+    out
+}
+
+impl Index<'_> {
+    fn key(&self, block: u64) -> String {
+        format!("{}{:x}", self.key_prefix, block % self.slots.max(1))
+    }
+
+    fn read(&self, store: &dyn SharedData, block: u64, now_ms: u64) -> Option<Entry> {
+        let (value, _) = store.get(&self.key(block)).ok()?;
+        let e = Entry::decode(&value?)?;
+        let fresh = now_ms.saturating_sub(e.at_ms) <= self.ttl_ms;
+        (e.block == block && fresh).then_some(e)
+    }
+
+    /// Blocks of `blocks` that each host was sent, as `(host id, blocks)`,
+    /// one pair per host found.
+    pub fn lookup(&self, store: &dyn SharedData, blocks: &[u64], now_ms: u64) -> Vec<(u64, u32)> {
+        let mut found: Vec<(u64, u32)> = Vec::new();
+        let mut note = |host: u64, depth: u32| match found.iter_mut().find(|(h, _)| *h == host) {
+            Some((_, d)) => *d = (*d).max(depth),
+            None => found.push((host, depth)),
+        };
+        let n = blocks.len();
+        for p in positions(n) {
+            let Some(&block) = blocks.get(p) else {
+                continue;
+            };
+            let Some(e) = self.read(store, block, now_ms) else {
+                continue;
+            };
+            note(e.host, (p + 1) as u32);
+            // The writer's last block, if it lies deeper within this request.
+            let last = (e.depth as usize).min(n);
+            if last > p + 1 {
+                if let Some(&deep) = blocks.get(last - 1) {
+                    if let Some(d) = self.read(store, deep, now_ms) {
+                        if d.host == e.host {
+                            note(e.host, last as u32);
+                        }
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    /// Records that `blocks` were sent to `host`.
+    pub fn record(&self, store: &dyn SharedData, blocks: &[u64], host: u64, now_ms: u64) {
+        let depth = u32::try_from(blocks.len()).unwrap_or(u32::MAX);
+        for p in positions(blocks.len()) {
+            if let Some(&block) = blocks.get(p) {
+                let e = Entry {
+                    block,
+                    host,
+                    depth,
+                    at_ms: now_ms,
+                };
+                // Last writer wins; a lost write only loses a hint.
+                let _ = store.set(&self.key(block), &e.encode(), None);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::MemorySharedData;
+
+    const IX: Index = Index {
+        slots: 1 << 16,
+        ttl_ms: 1000,
+        key_prefix: "t.px.",
+    };
+
+    fn chain(base: u64, n: usize) -> Vec<u64> {
+        (0..n as u64)
+            .map(|i| base.wrapping_mul(31).wrapping_add(i) ^ 0x9e37)
+            .collect()
+    }
+
+    #[test]
+    fn positions_are_powers_of_two_and_the_last() {
+        assert_eq!(positions(0), Vec::<usize>::new());
+        assert_eq!(positions(1), vec![0]);
+        assert_eq!(positions(5), vec![4, 3, 1, 0]);
+        assert_eq!(positions(8), vec![7, 3, 1, 0]);
+        assert!(positions(1024).len() <= 12);
+    }
+
+    #[test]
+    fn growing_conversation_finds_exact_previous_depth() {
+        let store = MemorySharedData::default();
+        let turn2 = chain(1, 40);
+        let turn1 = &turn2[..23];
+        IX.record(&store, turn1, 7, 0);
+        assert_eq!(IX.lookup(&store, &turn2, 10), vec![(7, 23)]);
+        // A shorter request sharing the prefix matches to its deepest
+        // sampled position (8 of its 10 blocks): an underestimate, at least half.
+        assert_eq!(IX.lookup(&store, &turn2[..10], 10), vec![(7, 8)]);
+    }
+
+    #[test]
+    fn different_hosts_and_expiry() {
+        let store = MemorySharedData::default();
+        let a = chain(2, 16);
+        let mut b = a[..4].to_vec();
+        b.extend(chain(3, 12));
+        IX.record(&store, &a, 1, 0);
+        IX.record(&store, &b, 2, 0);
+        // b overwrote the shared first blocks (last writer wins): a's deep
+        // blocks still say host 1, its shallow ones say host 2.
+        let mut found = IX.lookup(&store, &a, 5);
+        found.sort_unstable();
+        assert_eq!(found, vec![(1, 16), (2, 4)]);
+        assert!(IX.lookup(&store, &a, 5000).is_empty(), "entries expire");
+        assert!(IX.lookup(&store, &chain(9, 16), 5).is_empty());
+    }
+
+    #[test]
+    fn memory_is_bounded_by_slots() {
+        let store = MemorySharedData::default();
+        let small = Index { slots: 8, ..IX };
+        for r in 0..200 {
+            small.record(&store, &chain(r, 64), r, 0);
+        }
+        assert!(store.len() <= 8);
+    }
+}

@@ -1,0 +1,388 @@
+//! Fleet snapshots in shared data: the ingest side (validate, store) and the
+//! router side (decode once per stored version per VM).
+//!
+//! Two keys:
+//! - `<prefix>.fleet.v1`: 16-byte header (`seq`, ingest time, little endian)
+//!   followed by the snapshot JSON;
+//! - `<prefix>.fleet.stamp.v1`: the same 16-byte header alone.
+//!
+//! Ingest replaces the snapshot with compare-and-swap and only with a higher
+//! `seq`, so an older or replayed push never replaces a newer snapshot, even
+//! when two pushes race on two worker threads. It then raises the stamp the
+//! same way. Routers read the 16-byte stamp on every request (proxy-wasm
+//! copies a value on every read, so the large key is not touched) and read
+//! and decode the snapshot only when the stamp's `seq` is newer than what
+//! they hold.
+
+use std::rc::Rc;
+
+use crate::config::{Config, IngestConfig};
+use crate::fleet::{FleetView, Snapshot, Stamp};
+use crate::host::{Counter, SetError, SharedData};
+
+/// Path the collector pushes to.
+pub const INGEST_PATH: &str = "/v1/fleet/snapshot";
+
+/// The answer to one push.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// 204: stored.
+    Accepted {
+        seq: u64,
+    },
+    /// 401: no or wrong bearer token.
+    Unauthorized,
+    /// 413: over `ingest.maxBytes`.
+    TooLarge {
+        limit: usize,
+    },
+    /// 400: malformed or invalid, with what is wrong.
+    Invalid(String),
+    /// 409: not newer than the stored snapshot.
+    Stale {
+        stored: u64,
+        pushed: u64,
+    },
+    /// 404 / 405: not the ingest endpoint.
+    NotFound,
+    MethodNotAllowed,
+    /// 503: shared data refused the write.
+    Unavailable,
+}
+
+impl Outcome {
+    pub fn status(&self) -> u32 {
+        match self {
+            Outcome::Accepted { .. } => 204,
+            Outcome::Unauthorized => 401,
+            Outcome::TooLarge { .. } => 413,
+            Outcome::Invalid(_) => 400,
+            Outcome::Stale { .. } => 409,
+            Outcome::NotFound => 404,
+            Outcome::MethodNotAllowed => 405,
+            Outcome::Unavailable => 503,
+        }
+    }
+
+    /// JSON error body (none for 204).
+    pub fn body(&self) -> Option<String> {
+        let msg = match self {
+            Outcome::Accepted { .. } => return None,
+            Outcome::Unauthorized => "missing or wrong bearer token".to_owned(),
+            Outcome::TooLarge { limit } => format!("snapshot larger than {limit} bytes"),
+            Outcome::Invalid(e) => format!("invalid snapshot: {e}"),
+            Outcome::Stale { stored, pushed } => {
+                format!("seq {pushed} is not newer than the stored seq {stored}")
+            }
+            Outcome::NotFound => format!("not found: push snapshots to POST {INGEST_PATH}"),
+            Outcome::MethodNotAllowed => format!("method not allowed: use POST {INGEST_PATH}"),
+            Outcome::Unavailable => "shared data unavailable".to_owned(),
+        };
+        Some(serde_json::json!({ "error": msg }).to_string())
+    }
+
+    pub fn counter(&self) -> Option<Counter> {
+        match self {
+            Outcome::Accepted { .. } => Some(Counter::IngestAccepted),
+            Outcome::Unauthorized => Some(Counter::IngestUnauthorized),
+            Outcome::TooLarge { .. } => Some(Counter::IngestTooLarge),
+            Outcome::Invalid(_) => Some(Counter::IngestInvalid),
+            Outcome::Stale { .. } => Some(Counter::IngestStale),
+            _ => None,
+        }
+    }
+}
+
+/// Checks `Authorization: Bearer <token>` in time independent of where the
+/// token differs.
+pub fn authorized(cfg: &IngestConfig, authorization: Option<&str>) -> bool {
+    let Some(given) = authorization.and_then(|a| a.strip_prefix("Bearer ")) else {
+        return false;
+    };
+    let (a, b) = (given.trim().as_bytes(), cfg.token.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Method and path check, before the body is read.
+pub fn route_check(method: &str, path: &str) -> Option<Outcome> {
+    let path = path.split('?').next().unwrap_or(path);
+    if path != INGEST_PATH {
+        return Some(Outcome::NotFound);
+    }
+    if !method.eq_ignore_ascii_case("POST") {
+        return Some(Outcome::MethodNotAllowed);
+    }
+    None
+}
+
+const MAX_CAS_TRIES: usize = 8;
+
+fn header_of(bytes: &[u8]) -> Option<Stamp> {
+    Stamp::decode(bytes.get(..16)?)
+}
+
+/// Validates and stores a pushed snapshot.
+pub fn store(cfg: &Config, store: &dyn SharedData, body: &[u8], now_ms: u64) -> Outcome {
+    if let Some(ing) = &cfg.ingest {
+        if body.len() > ing.max_bytes {
+            return Outcome::TooLarge {
+                limit: ing.max_bytes,
+            };
+        }
+    }
+    let snap = match Snapshot::from_json(body) {
+        Ok(s) => s,
+        Err(e) => return Outcome::Invalid(e.to_string()),
+    };
+    let stamp = Stamp {
+        seq: snap.seq,
+        ingested_at_ms: now_ms,
+    };
+    let mut value = Vec::with_capacity(16 + body.len());
+    value.extend_from_slice(&stamp.encode());
+    value.extend_from_slice(body);
+    let header = stamp.encode();
+    let writes: [(&str, &[u8]); 2] = [
+        (&cfg.fleet.snapshot_key, &value),
+        (&cfg.fleet.stamp_key, &header),
+    ];
+    for (key, value) in writes {
+        let is_snapshot = key == cfg.fleet.snapshot_key;
+        let mut stored = false;
+        for _ in 0..MAX_CAS_TRIES {
+            let Ok((current, cas)) = store.get(key) else {
+                return Outcome::Unavailable;
+            };
+            if let Some(old) = current.as_deref().and_then(header_of) {
+                if old.seq >= snap.seq {
+                    if is_snapshot {
+                        return Outcome::Stale {
+                            stored: old.seq,
+                            pushed: snap.seq,
+                        };
+                    }
+                    // A newer push finished first: the snapshot key already
+                    // holds that one, and the stamp says so.
+                    stored = true;
+                    break;
+                }
+            }
+            match store.set(key, value, cas) {
+                Ok(()) => {
+                    stored = true;
+                    break;
+                }
+                Err(SetError::CasMismatch) => continue,
+                Err(SetError::Host) => return Outcome::Unavailable,
+            }
+        }
+        if !stored {
+            return Outcome::Unavailable;
+        }
+    }
+    Outcome::Accepted { seq: snap.seq }
+}
+
+/// A router VM's decoded snapshot, refreshed when the stamp moves.
+#[derive(Default)]
+pub struct FleetCache {
+    view: Option<Rc<FleetView>>,
+    /// Highest seq decoded or found undecodable, so a bad value is not
+    /// decoded again on every request.
+    seen: u64,
+}
+
+/// What a refresh did, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refresh {
+    Unchanged,
+    Decoded,
+    Failed,
+}
+
+impl FleetCache {
+    /// The current view, reading shared data only when the stamp is newer
+    /// than what this VM holds.
+    pub fn refresh(
+        &mut self,
+        cfg: &Config,
+        store: &dyn SharedData,
+    ) -> (Option<Rc<FleetView>>, Refresh) {
+        let stamp = match store.get(&cfg.fleet.stamp_key) {
+            Ok((Some(v), _)) => Stamp::decode(&v),
+            _ => None,
+        };
+        let mut outcome = Refresh::Unchanged;
+        if stamp.is_some_and(|s| s.seq > self.seen) {
+            outcome = Refresh::Failed;
+            if let Ok((Some(v), _)) = store.get(&cfg.fleet.snapshot_key) {
+                if let Some(h) = header_of(&v) {
+                    // Even if this value fails to decode, do not retry it on
+                    // every request: wait for the next push.
+                    self.seen = self.seen.max(h.seq);
+                    if let Ok(s) = Snapshot::from_json(v.get(16..).unwrap_or_default()) {
+                        self.view = Some(Rc::new(FleetView::new(s, h.ingested_at_ms)));
+                        outcome = Refresh::Decoded;
+                    }
+                }
+            }
+        }
+        (self.view.clone(), outcome)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::{HostState, SNAPSHOT_VERSION};
+    use crate::host::MemorySharedData;
+
+    fn cfg() -> Config {
+        Config::from_json(
+            br#"{"role":"ingest","ingest":{"token":"0123456789abcdef","maxBytes":100000}}"#,
+        )
+        .unwrap()
+    }
+
+    fn snap(seq: u64, hosts: usize) -> Vec<u8> {
+        Snapshot {
+            version: SNAPSHOT_VERSION,
+            seq,
+            collector: "c".into(),
+            taken_at_ms: 1000,
+            hosts: (0..hosts)
+                .map(|i| HostState {
+                    address: format!("10.0.{}.{}:8000", i / 200, i % 200 + 1),
+                    ready: true,
+                    draining: false,
+                    models: vec!["m".into()],
+                    kv_utilization: 0.1,
+                    waiting: 0,
+                    running: 1,
+                    kv_capacity_tokens: None,
+                    block_size: None,
+                    scraped_at_ms: 990,
+                    engine: None,
+                })
+                .collect(),
+        }
+        .to_json()
+    }
+
+    #[test]
+    fn auth_and_routes() {
+        let c = cfg();
+        let ing = c.ingest.as_ref().unwrap();
+        assert!(authorized(ing, Some("Bearer 0123456789abcdef")));
+        assert!(!authorized(ing, Some("Bearer 0123456789abcdeX")));
+        assert!(!authorized(ing, Some("Bearer 0123456789abcde")));
+        assert!(!authorized(ing, Some("0123456789abcdef")));
+        assert!(!authorized(ing, None));
+        assert_eq!(route_check("POST", INGEST_PATH), None);
+        assert_eq!(
+            route_check("GET", INGEST_PATH),
+            Some(Outcome::MethodNotAllowed)
+        );
+        assert_eq!(
+            route_check("POST", "/v1/chat/completions"),
+            Some(Outcome::NotFound)
+        );
+    }
+
+    #[test]
+    fn newer_replaces_older_never() {
+        let c = cfg();
+        let s = MemorySharedData::default();
+        assert_eq!(
+            store(&c, &s, &snap(5, 2), 100),
+            Outcome::Accepted { seq: 5 }
+        );
+        assert_eq!(
+            store(&c, &s, &snap(5, 3), 101),
+            Outcome::Stale {
+                stored: 5,
+                pushed: 5
+            }
+        );
+        assert_eq!(
+            store(&c, &s, &snap(4, 3), 102),
+            Outcome::Stale {
+                stored: 5,
+                pushed: 4
+            }
+        );
+        assert!(matches!(store(&c, &s, b"{nope", 103), Outcome::Invalid(_)));
+        assert!(matches!(
+            store(&c, &s, &[b' '; 100_001], 103),
+            Outcome::TooLarge { .. }
+        ));
+        let mut cache = FleetCache::default();
+        let (v, r) = cache.refresh(&c, &s);
+        assert_eq!(r, Refresh::Decoded);
+        let v = v.unwrap();
+        assert_eq!((v.seq, v.hosts.len(), v.ingested_at_ms), (5, 2, 100));
+        // Unchanged stamp: nothing decoded again.
+        assert_eq!(cache.refresh(&c, &s).1, Refresh::Unchanged);
+        assert_eq!(
+            store(&c, &s, &snap(6, 4), 200),
+            Outcome::Accepted { seq: 6 }
+        );
+        let (v, r) = cache.refresh(&c, &s);
+        assert_eq!((r, v.unwrap().hosts.len()), (Refresh::Decoded, 4));
+    }
+
+    #[test]
+    fn error_bodies_say_what_is_wrong() {
+        let c = cfg();
+        let s = MemorySharedData::default();
+        let o = store(
+            &c,
+            &s,
+            br#"{"version":1,"seq":0,"collector":"c","takenAtMs":1,"hosts":[]}"#,
+            1,
+        );
+        assert_eq!(o.status(), 400);
+        assert!(
+            o.body().unwrap().contains("seq: must be at least 1"),
+            "{:?}",
+            o.body()
+        );
+        assert_eq!(
+            Outcome::Stale {
+                stored: 2,
+                pushed: 1
+            }
+            .status(),
+            409
+        );
+        assert!(Outcome::Accepted { seq: 1 }.body().is_none());
+    }
+
+    #[test]
+    fn no_snapshot_means_no_view() {
+        let c = cfg();
+        let s = MemorySharedData::default();
+        assert_eq!(
+            FleetCache::default().refresh(&c, &s),
+            (None, Refresh::Unchanged)
+        );
+    }
+
+    #[test]
+    fn lost_race_keeps_the_newer_snapshot() {
+        let c = cfg();
+        let s = MemorySharedData::default();
+        assert_eq!(store(&c, &s, &snap(7, 1), 1), Outcome::Accepted { seq: 7 });
+        // A conflicting writer makes our first CAS fail; the retry sees 7 >= 6.
+        s.conflicts.set(1);
+        assert_eq!(
+            store(&c, &s, &snap(6, 1), 2),
+            Outcome::Stale {
+                stored: 7,
+                pushed: 6
+            }
+        );
+        let (v, _) = FleetCache::default().refresh(&c, &s);
+        assert_eq!(v.unwrap().seq, 7);
+    }
+}
