@@ -25,6 +25,7 @@ use kvroute_core::fleet::FleetView;
 use kvroute_core::host::{Counter, Gauge, Metrics};
 use kvroute_core::ingest::{self, FleetCache, Outcome, Refresh, INGEST_PATH};
 use kvroute_core::load::Charge;
+use kvroute_core::usage::{self, Tracker};
 use kvroute_core::{Config, Endpoint};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -129,6 +130,8 @@ impl RootContext for Root {
             body_size: 0,
             decision: None,
             pending: None,
+            model: None,
+            tracker: Tracker::Off,
         }))
     }
 
@@ -147,6 +150,9 @@ struct Stream {
     decision: Option<Decision>,
     /// What is still charged to the chosen host.
     pending: Option<Charge>,
+    /// The parsed request's model, for learning its output length.
+    model: Option<String>,
+    tracker: Tracker,
 }
 
 fn header(name: &str) -> Option<String> {
@@ -246,10 +252,14 @@ impl Stream {
         self.shared
             .metrics
             .count(Counter::BodyBytes, body.len() as u64);
-        let facts = match self.endpoint {
+        let mut facts = match self.endpoint {
             Some(ep) => decide::analyze(&self.shared.config, ep, self.session.as_deref(), &body),
             None => Err(Unparsed::NotInference),
         };
+        if let Ok(f) = facts.as_mut() {
+            decide::apply_prior(&self.shared.config, &HostSharedData, f);
+            self.model = Some(f.model.clone());
+        }
         self.decide(facts)
     }
 
@@ -340,6 +350,16 @@ impl HttpContext for Stream {
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         // First response byte: the prompt has been prefilled.
         self.release(true);
+        let ok = hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
+            .ok()
+            .flatten()
+            .is_some_and(|s| s == "200");
+        if self.model.is_some() && ok {
+            let ct = hostcalls::get_map_value(MapType::HttpResponseHeaders, "content-type")
+                .ok()
+                .flatten();
+            self.tracker = Tracker::for_content_type(ct.as_deref());
+        }
         if self.shared.config.explain_header {
             if let Some(d) = &self.decision {
                 let value = decide::explain(d);
@@ -349,6 +369,28 @@ impl HttpContext for Stream {
                     Some(&value),
                 );
             }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if matches!(self.tracker, Tracker::Off) {
+            return Action::Continue;
+        }
+        // The chunk streams on; the filter only reads a copy of it.
+        if let Ok(Some(chunk)) = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {
+            self.tracker.feed(&chunk);
+        }
+        if end_of_stream {
+            if let (Some(tokens), Some(model)) = (self.tracker.finish(), self.model.as_deref()) {
+                usage::observe(
+                    &HostSharedData,
+                    &self.shared.config.shared_data_prefix,
+                    model,
+                    tokens,
+                );
+            }
+            self.tracker = Tracker::Off;
         }
         Action::Continue
     }

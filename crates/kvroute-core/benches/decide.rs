@@ -6,7 +6,9 @@
 #![allow(clippy::indexing_slicing, clippy::unwrap_used)]
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvroute_core::decide::{analyze, pick_for};
+use kvroute_core::decide::{analyze, pick_fleet, pick_for};
+use kvroute_core::fleet::{FleetView, HostState, Snapshot, SNAPSHOT_VERSION};
+use kvroute_core::load::LoadTable;
 use kvroute_core::{Config, Endpoint};
 use std::hint::black_box;
 
@@ -71,5 +73,73 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench);
+fn snapshot_json(hosts: usize) -> Vec<u8> {
+    let hosts: Vec<HostState> = (0..hosts)
+        .map(|i| HostState {
+            address: format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256),
+            ready: i % 17 != 0,
+            draining: false,
+            models: vec!["meta-llama/Llama-3.1-8B-Instruct".into()],
+            kv_utilization: (i % 100) as f64 / 100.0,
+            waiting: (i % 7) as u32,
+            running: (i % 31) as u32,
+            kv_capacity_tokens: Some(456_000),
+            block_size: Some(16),
+            scraped_at_ms: 1_764_400_000_000 - (i % 250) as u64,
+            engine: Some("vllm".into()),
+        })
+        .collect();
+    Snapshot {
+        version: SNAPSHOT_VERSION,
+        seq: 1,
+        collector: "bench".into(),
+        taken_at_ms: 1_764_400_000_000,
+        hosts,
+    }
+    .to_json()
+}
+
+/// Decode + validate + index a snapshot: what a router VM does once per
+/// stored version.
+fn bench_snapshot(c: &mut Criterion) {
+    let mut group = c.benchmark_group("snapshot_decode");
+    for hosts in [16usize, 256, 1024] {
+        let json = snapshot_json(hosts);
+        group.throughput(Throughput::Bytes(json.len() as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(hosts), &json, |b, json| {
+            b.iter(|| Snapshot::from_json(black_box(json)).map(|s| FleetView::new(s, 0)))
+        });
+    }
+    group.finish();
+}
+
+/// Parse + hash + score + pick against a fleet snapshot (prefix index
+/// answer given), 32 KB body.
+fn bench_fleet_pick(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decide_fleet");
+    let body = chat_body(32 << 10);
+    for hosts in [16usize, 256, 1024] {
+        let Some(cfg) = config(8) else { continue };
+        let Ok(snap) = Snapshot::from_json(&snapshot_json(hosts)) else {
+            continue;
+        };
+        let view = FleetView::new(snap, 1_764_400_000_000);
+        let table = LoadTable::default();
+        let hits: Vec<(u64, u32)> = view.set.iter().take(3).map(|h| (h.id, 40)).collect();
+        group.bench_with_input(
+            BenchmarkId::new("32KB", format!("{hosts}hosts")),
+            &body,
+            |b, body| {
+                b.iter(|| {
+                    let facts = analyze(&cfg, Endpoint::ChatCompletions, None, black_box(body));
+                    facts
+                        .map(|f| pick_fleet(&cfg, &f, &view, &table, &hits, 1_764_400_000_100).pick)
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, bench_snapshot, bench_fleet_pick);
 criterion_main!(benches);

@@ -313,6 +313,7 @@ pub struct Config {
     pub explain_header: bool,
     /// Shared-data key of the in-flight load table.
     pub load_key: String,
+    pub shared_data_prefix: String,
     pub role: Role,
     pub fleet: FleetConfig,
     pub ingest: Option<IngestConfig>,
@@ -615,6 +616,7 @@ impl RawConfig {
             ingest,
             hosts: HostSet::new(self.hosts),
             load_key: format!("{prefix}.load.v1"),
+            shared_data_prefix: prefix.clone(),
             destination_header: self.destination_header,
             session_headers: self.session_headers,
             fallbacks: self.fallbacks as usize,

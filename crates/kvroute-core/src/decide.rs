@@ -41,6 +41,7 @@ use crate::load::{self, Charge, LoadTable};
 use crate::picker::{self, Bounds, HostSet, Pick};
 use crate::request::{self, CanonicalSink, Endpoint, ParseError};
 use crate::score::{self, Candidate};
+use crate::usage;
 
 /// Separates session keys from prefix keys of the same model.
 const SESSION_SALT: u64 = 0x5e55_1011_4b65_7900;
@@ -239,6 +240,14 @@ pub fn analyze(
         stream: parsed.stream,
         non_text_parts: parsed.non_text_parts,
     })
+}
+
+/// Replaces the output-token estimate with the model's learned prior when
+/// the client asks for far more than the model typically produces.
+pub fn apply_prior(cfg: &Config, store: &dyn SharedData, facts: &mut Facts) {
+    if let Some(prior) = usage::read(store, &cfg.shared_data_prefix, &facts.model) {
+        facts.output_tokens = prior.estimate(facts.output_tokens);
+    }
 }
 
 /// A routing decision.
@@ -753,6 +762,20 @@ mod tests {
                 .nth(2),
             Some("key=-")
         );
+    }
+
+    #[test]
+    fn prior_replaces_far_larger_asks() {
+        let c = cfg();
+        let store = MemorySharedData::default();
+        let mut f = facts(&chat(json!([]), json!({"max_tokens": 1000})), None);
+        apply_prior(&c, &store, &mut f);
+        assert_eq!(f.output_tokens, 1000, "no prior yet");
+        for _ in 0..25 {
+            usage::observe(&store, &c.shared_data_prefix, "llama", 50);
+        }
+        apply_prior(&c, &store, &mut f);
+        assert_eq!(f.output_tokens, 100);
     }
 
     #[test]

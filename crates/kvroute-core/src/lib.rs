@@ -26,6 +26,7 @@ pub mod load;
 pub mod picker;
 pub mod request;
 pub mod score;
+pub mod usage;
 
 pub use config::{Config, ConfigError};
 pub use decide::{analyze, route, Decision, Facts, Reason, Unparsed};
