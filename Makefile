@@ -12,11 +12,12 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 TOOLS   := .tools
 WASM    := target/wasm32-wasip1/release/kvroute.wasm
+COLLECTOR := target/release/kvroute-collector
 WBG_VERSION := $(shell awk '/^name = "wasm-bindgen"$$/{getline; gsub(/[^0-9.]/,""); print}' Cargo.lock)
 WBG     := $(TOOLS)/bin/wasm-bindgen-test-runner
 PYTEST_ARGS ?=
 
-.PHONY: all build wasm tools targets venv wasm-bindgen test test-native test-wasm test-e2e \
+.PHONY: all build wasm collector tools targets venv wasm-bindgen test test-native test-wasm test-e2e \
         lint fmt demo up bench clean
 
 all: build
@@ -48,9 +49,14 @@ tools: targets venv wasm-bindgen
 
 ## --- build ----------------------------------------------------------------
 
-build wasm: targets
+build: wasm collector
+
+wasm: targets
 	$(CARGO) build --release --target wasm32-wasip1 -p kvroute
 	@ls -l $(WASM) | awk '{print "built $(WASM): " $$5 " bytes"}'
+
+collector:
+	$(CARGO) build --release -p kvroute-collector
 
 ## --- tests ----------------------------------------------------------------
 
@@ -71,7 +77,8 @@ test-wasm: targets $(WBG)
 	  $(CARGO) test -p kvroute-core --target wasm32-unknown-unknown --test vectors
 
 test-e2e: venv build
-	KVROUTE_REQUIRE_WASM=1 $(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
+	KVROUTE_REQUIRE_WASM=1 KVROUTE_REQUIRE_COLLECTOR=1 KVROUTE_COLLECTOR=$(abspath $(COLLECTOR)) \
+	  $(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
 
 fmt:
 	$(CARGO) fmt --all

@@ -1,0 +1,313 @@
+//! The collector loop against loopback engines and a recording gateway.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvroute_collector::config::{Gateway, Settings};
+use kvroute_collector::discovery::{Resolver, Target};
+use kvroute_core::fleet::{HostState, Snapshot};
+
+const TOKEN: &str = "it-token-123";
+
+/// A gateway that records every push and answers `status` (with a JSON
+/// error body unless 204).
+fn gateway(status: Arc<AtomicU16>) -> FakeServer {
+    FakeServer::start(Arc::new(move |r: &Request| {
+        let st = status.load(Ordering::SeqCst);
+        if r.path != "/v1/fleet/snapshot" || r.method != "POST" {
+            return Response::new(404, "");
+        }
+        if st == 204 {
+            Response::new(204, "")
+        } else {
+            Response::new(st, format!("{{\"error\": \"refused with {st}\"}}"))
+        }
+    }))
+}
+
+fn pushes(gw: &FakeServer) -> Vec<(Request, Snapshot)> {
+    gw.requests
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let snap = Snapshot::from_json(&r.body)
+                .unwrap_or_else(|e| panic!("invalid snapshot pushed: {e}"));
+            (r.clone(), snap)
+        })
+        .collect()
+}
+
+fn host(s: &Snapshot, addr: SocketAddr) -> &HostState {
+    let a = addr.to_string();
+    s.hosts.iter().find(|h| h.address == a).unwrap()
+}
+
+fn settings(engines: Vec<Target>, gw: &FakeServer) -> Settings {
+    let mut s = Settings::new(
+        engines,
+        vec![Gateway::parse(&format!("http://{}", gw.addr)).unwrap()],
+        Some(TOKEN),
+    );
+    s.interval = Duration::from_millis(50);
+    // Long: every push after the first in this test is event-driven.
+    s.push_interval = Duration::from_secs(30);
+    s.timeout = Duration::from_millis(200);
+    s.max_backoff = Duration::from_millis(400);
+    s.collector_id = "it-collector".into();
+    s.metrics_addr = Some("127.0.0.1:0".parse().unwrap());
+    s
+}
+
+/// Waits for a push after `since` that satisfies `cond`; returns it.
+fn next_push(
+    gw: &FakeServer,
+    since: usize,
+    what: &str,
+    cond: impl Fn(&Snapshot) -> bool,
+) -> (usize, Snapshot) {
+    let mut found = None;
+    let ok = wait_until(Duration::from_secs(5), || {
+        let all = pushes(gw);
+        found = all
+            .iter()
+            .enumerate()
+            .skip(since)
+            .find(|(_, (_, s))| cond(s))
+            .map(|(i, (_, s))| (i, s.clone()));
+        found.is_some()
+    });
+    assert!(
+        ok,
+        "no push with {what} (pushes: {:#?})",
+        pushes(gw).into_iter().map(|p| p.1).collect::<Vec<_>>()
+    );
+    found.unwrap()
+}
+
+fn metric_line_present(addr: SocketAddr, line: &str) -> bool {
+    wait_until(Duration::from_secs(3), || {
+        http_get(addr, "/metrics").contains(line)
+    })
+}
+
+#[test]
+fn scrapes_engines_and_pushes_snapshots_through_refusals() {
+    let a_health = Arc::new(AtomicU16::new(200));
+    let b_health = Arc::new(AtomicU16::new(503));
+    let ok = Arc::new(AtomicU16::new(200));
+    let a = engine(VLLM_METRICS, a_health.clone());
+    let b = engine(SGLANG_METRICS, b_health.clone());
+    let c = engine(GARBAGE, ok.clone());
+    let d = dead_addr();
+    let gw_status = Arc::new(AtomicU16::new(204));
+    let gw = gateway(gw_status.clone());
+
+    let targets = [a.addr, b.addr, c.addr, d].map(Target::Addr).to_vec();
+    let started = Instant::now();
+    let running = kvroute_collector::start(settings(targets.clone(), &gw)).unwrap();
+    let metrics_addr = running.metrics_addr().unwrap();
+
+    // 1. The first snapshot, once every engine has answered.
+    let (i1, first) = next_push(&gw, 0, "4 hosts", |s| s.hosts.len() == 4);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "first push took {:?}",
+        started.elapsed()
+    );
+    let (req, _) = &pushes(&gw)[i1];
+    assert_eq!(
+        req.header("authorization"),
+        Some(format!("Bearer {TOKEN}").as_str())
+    );
+    assert_eq!(req.header("content-type"), Some("application/json"));
+    assert_eq!(first.version, 1);
+    assert_eq!(first.collector, "it-collector");
+
+    let ha = host(&first, a.addr);
+    assert!(ha.ready);
+    assert_eq!(ha.engine.as_deref(), Some("vllm"));
+    assert_eq!((ha.waiting, ha.running, ha.kv_utilization), (3, 17, 0.42));
+    assert_eq!(
+        ha.models,
+        vec!["meta-llama/Llama-3.1-8B-Instruct", "sql-lora"]
+    );
+    assert_eq!(
+        (ha.kv_capacity_tokens, ha.block_size),
+        (Some(456_000), Some(16))
+    );
+    assert!(ha.scraped_at_ms > 0 && ha.scraped_at_ms <= first.taken_at_ms);
+
+    let hb = host(&first, b.addr);
+    assert!(!hb.ready, "503 on /health is not ready");
+    assert_eq!(hb.engine.as_deref(), Some("sglang"));
+    assert_eq!((hb.waiting, hb.running, hb.kv_utilization), (2, 9, 0.28));
+    assert_eq!(hb.models, vec!["Qwen/Qwen3-8B"]);
+    assert_eq!(
+        (hb.kv_capacity_tokens, hb.block_size),
+        (Some(200_000), Some(1))
+    );
+    assert!(
+        hb.scraped_at_ms > 0,
+        "metrics of a loading engine are still read"
+    );
+
+    let hc = host(&first, c.addr);
+    assert!(!hc.ready, "garbage /metrics is a failed scrape");
+    assert_eq!((hc.scraped_at_ms, hc.engine.as_deref()), (0, None));
+    let hd = host(&first, d);
+    assert!(!hd.ready);
+    assert_eq!(hd.scraped_at_ms, 0);
+
+    // Both endpoints of each live engine were scraped.
+    for e in [&a, &b, &c] {
+        let paths = e.paths();
+        assert!(paths.iter().any(|p| p == "/health") && paths.iter().any(|p| p == "/metrics"));
+    }
+
+    // 2. A readiness change is pushed at once (the push interval is 30 s).
+    let flip = Instant::now();
+    b_health.store(200, Ordering::SeqCst);
+    let (i2, second) = next_push(&gw, i1 + 1, "B ready", |s| host(s, b.addr).ready);
+    assert!(
+        flip.elapsed() < Duration::from_secs(2),
+        "readiness push took {:?}",
+        flip.elapsed()
+    );
+    assert!(second.seq > first.seq);
+
+    // 3. Refusals are counted and survived; each later readiness change
+    // still produces a push.
+    let mut last = i2;
+    for (status, engine_health, ready_after, addr) in [
+        (401, &a_health, false, a.addr),
+        (409, &a_health, true, a.addr),
+        (400, &b_health, false, b.addr),
+        (413, &b_health, true, b.addr),
+    ] {
+        gw_status.store(status, Ordering::SeqCst);
+        engine_health.store(if ready_after { 200 } else { 503 }, Ordering::SeqCst);
+        let (i, _) = next_push(&gw, last + 1, &format!("{addr} ready={ready_after}"), |s| {
+            host(s, addr).ready == ready_after
+        });
+        last = i;
+        let gw_label = format!("gateway=\"http://{}\"", gw.addr);
+        assert!(
+            metric_line_present(
+                metrics_addr,
+                &format!("kvroute_collector_pushes_total{{{gw_label},status=\"{status}\"}}")
+            ),
+            "push result {status} not counted"
+        );
+    }
+    gw_status.store(204, Ordering::SeqCst);
+    a_health.store(503, Ordering::SeqCst);
+    let (_, last_snap) = next_push(&gw, last + 1, "A not ready", |s| !host(s, a.addr).ready);
+
+    // 4. Own metrics.
+    let text = http_get(metrics_addr, "/metrics");
+    for want in [
+        format!(
+            "kvroute_collector_scrape_failures_total{{engine=\"{}\",cause=\"parse\"}}",
+            c.addr
+        ),
+        format!("kvroute_collector_scrape_failures_total{{engine=\"{d}\",cause=\"refused\"}}"),
+        format!("kvroute_collector_scrapes_total{{engine=\"{}\"}}", a.addr),
+        "kvroute_collector_engines_discovered 4".to_owned(),
+        "kvroute_collector_scrape_duration_seconds_count".to_owned(),
+        format!(
+            "kvroute_collector_last_push_timestamp_seconds{{gateway=\"http://{}\"}}",
+            gw.addr
+        ),
+    ] {
+        assert!(text.contains(&want), "missing {want} in\n{text}");
+    }
+    assert!(http_get(metrics_addr, "/nope").starts_with("HTTP/1.1 404"));
+
+    // Every push was a valid snapshot, with increasing seq.
+    let all = pushes(&gw);
+    assert!(all.windows(2).all(|w| w[1].1.seq > w[0].1.seq));
+    // The dead engine backs off: fewer attempts than a live one.
+    let count = |addr: SocketAddr| -> u64 {
+        let key = format!("kvroute_collector_scrapes_total{{engine=\"{addr}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(key.as_str()))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap()
+    };
+    assert!(
+        count(d) < count(a.addr),
+        "{} vs {}",
+        count(d),
+        count(a.addr)
+    );
+
+    // 5. Stopping is prompt; a restarted collector continues the seq.
+    let t = Instant::now();
+    running.stop();
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "stop took {:?}",
+        t.elapsed()
+    );
+    let n_before = pushes(&gw).len();
+    let again = kvroute_collector::start(settings(targets, &gw)).unwrap();
+    let (_, restarted) = next_push(&gw, n_before, "restart", |_| true);
+    assert!(
+        restarted.seq > last_snap.seq,
+        "{} <= {}",
+        restarted.seq,
+        last_snap.seq
+    );
+    again.stop();
+}
+
+#[test]
+fn dns_names_follow_their_records() {
+    let ok = Arc::new(AtomicU16::new(200));
+    let a = engine(VLLM_METRICS, ok.clone());
+    let b = engine(SGLANG_METRICS, ok.clone());
+    let gw = gateway(Arc::new(AtomicU16::new(204)));
+    let records = Arc::new(Mutex::new(vec![a.addr]));
+    let answer = records.clone();
+    let resolver: Resolver = Box::new(move |host, port| {
+        assert_eq!(host, "engines.test");
+        Ok(answer
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|x| SocketAddr::new(x.ip(), if port == 1 { x.port() } else { port }))
+            .collect())
+    });
+    let target = Target::Name {
+        host: "engines.test".into(),
+        port: 1, // the fake resolver keeps each record's own port
+    };
+    let mut s = settings(vec![target], &gw);
+    s.dns_refresh = Duration::from_millis(100);
+    let running = kvroute_collector::start_with(s, resolver).unwrap();
+
+    next_push(&gw, 0, "A only", |s| {
+        s.hosts.len() == 1 && s.hosts[0].address == a.addr.to_string() && s.hosts[0].ready
+    });
+    *records.lock().unwrap() = vec![a.addr, b.addr];
+    next_push(&gw, 0, "A and B", |s| s.hosts.len() == 2);
+    *records.lock().unwrap() = vec![b.addr];
+    let (_, s) = next_push(&gw, 0, "B only", |s| {
+        s.hosts.len() == 1 && s.hosts[0].address == b.addr.to_string()
+    });
+    assert_eq!(s.hosts[0].engine.as_deref(), Some("sglang"));
+    running.stop();
+}
