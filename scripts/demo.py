@@ -5,17 +5,24 @@
     .venv/bin/python scripts/demo.py --up     (what `make up` runs: scripts/up.py)
 
 Stack: 4 simulated replicas on 127.0.0.1:8001-8004, Envoy with
-envoy-config/envoy.yaml (gateway 127.0.0.1:10000, admin 127.0.0.1:9901) and
-the kvroute filter from target/wasm32-wasip1/release/kvroute.wasm.
+envoy-config/envoy.yaml (gateway 127.0.0.1:10000, admin 127.0.0.1:9901,
+ingest 127.0.0.1:10001) and the kvroute filter from
+target/wasm32-wasip1/release/kvroute.wasm, plus kvroute-collector (metrics on
+127.0.0.1:9102) scraping the replicas' /metrics and /health every 100 ms, if
+it is built (cargo build --release -p kvroute-collector); without it, the
+fleet-state part pushes the snapshots from this script instead.
 
-Workload (about 10 s):
+Workload (about 15 s):
   1. 20 conversations x 4 turns with a session header: each stays on one
      replica, and the conversations spread over the fleet;
   2. no session key: requests sharing an 8 KB system prompt co-locate, while
      conversations with different openings spread;
   3. one hot session, 16 concurrent 20 KB requests held 1.5 s each by the
      replica: bounded load spills the excess to other replicas;
-then a few kvroute_* metrics from Envoy's admin endpoint.
+  4. fleet state: one replica reports KV 0.95 and 20 waiting requests on its
+     /metrics; new conversations avoid it. Then its /health says 503: it gets
+     nothing until it is ready again;
+then the kvroute_* metrics from Envoy's admin endpoint, fleet ones included.
 """
 
 from __future__ import annotations
@@ -124,8 +131,64 @@ def phase_hot_key(stack: harness.Stack, n: int = 16) -> bool:
     return len(by_host) > 1
 
 
-def show_metrics(stack: harness.Stack, limit: int = 14) -> None:
-    print("\n[4] kvroute metrics (admin /stats/prometheus)")
+def phase_fleet(stack: harness.Stack, collector: harness.Collector | None) -> bool:
+    busy = stack.live_hosts[1]
+    how = (f"kvroute-collector (pid {collector.proc.pid}) scrapes /metrics and /health every "
+           f"{collector.interval_ms} ms and pushes to {stack.ingest_url}" if collector else
+           "no collector built: this script pushes the snapshots itself (what the collector would send)")
+    print(f"\n[4] fleet state: {how}")
+
+    def publish() -> None:
+        if collector is None:
+            r = stack.push_from_replicas()
+            if r.status != 204:
+                raise RuntimeError(f"snapshot push refused: {r}")
+
+    def conversations(label: str, n: int = 20) -> Counter:
+        served = Counter()
+        for c in range(n):
+            body = chat_body(user_text=f"{label} conversation {c}: hello")
+            served[check(send(stack.gateway_url, CHAT, json_body=body, session=f"{label}-{c:02d}")).served_by] += 1
+        return served
+
+    def settle(avoid: str, label: str, timeout: float = 3.0) -> float:
+        """Seconds until fresh conversations stop landing on `avoid`."""
+        started = time.monotonic()
+        for i in range(1000):
+            if avoid not in conversations(f"{label}-probe-{i}", 8):
+                return time.monotonic() - started
+            if time.monotonic() - started > timeout:
+                break
+            time.sleep(0.02)
+        raise RuntimeError(f"{avoid} still gets new conversations {timeout} s after its state changed")
+
+    def row(served: Counter) -> str:
+        return "   ".join(f"{short(h)} {served.get(h, 0):>2}" for h in stack.live_hosts)
+
+    publish()
+    before = conversations("fleet-idle")
+    print(f"    all idle: 20 new conversations    {row(before)}")
+    stack.replica_control(busy, kv=0.95, waiting=20)
+    publish()
+    took = settle(busy, "fleet-busy")
+    after = conversations("fleet-busy")
+    print(f"    {short(busy)} reports KV 0.95 and 20 waiting on its /metrics: avoided after {took * 1000:.0f} ms")
+    print(f"    20 new conversations              {row(after)}")
+    stack.replica_control(busy, kv=0.0, waiting=0, ready=False)
+    publish()
+    took = settle(busy, "fleet-down")
+    down = conversations("fleet-down")
+    print(f"    {short(busy)} /health answers 503: avoided after {took * 1000:.0f} ms")
+    print(f"    20 new conversations              {row(down)}")
+    stack.replica_control(busy, ready=True)
+    publish()
+    if collector is not None:
+        time.sleep(3 * collector.interval_ms / 1000)  # let it see the replica back before the metrics
+    return busy not in after and busy not in down
+
+
+def show_metrics(stack: harness.Stack, collector: harness.Collector | None = None, limit: int = 16) -> None:
+    print("\n[5] kvroute metrics (admin /stats/prometheus)")
     try:
         metrics = stack.envoy.kvroute_metrics()
     except (OSError, harness.HarnessError) as exc:
@@ -134,12 +197,29 @@ def show_metrics(stack: harness.Stack, limit: int = 14) -> None:
     if not metrics:
         print("    (no kvroute_* series exported)")
         return
-    names = sorted(metrics, key=lambda k: (not k.startswith("kvroute_decision"), k))
+    def fmt(value: float) -> str:
+        return str(int(value)) if value.is_integer() else f"{value:.3f}"
+
+    fleet = [k for k in metrics if k.startswith(("kvroute_fleet", "kvroute_ingest", "kvroute_decisions_degraded",
+                                                 "kvroute_snapshot"))]
+    names = sorted((k for k in metrics if k not in fleet), key=lambda k: (not k.startswith("kvroute_decision"), k))
     for name in names[:limit]:
-        value = metrics[name]
-        print(f"    {name:<44} {int(value) if value.is_integer() else value}")
+        print(f"    {name:<44} {fmt(metrics[name])}")
     if len(names) > limit:
         print(f"    ... and {len(names) - limit} more")
+    print("    fleet state:")
+    for name in sorted(fleet):
+        print(f"    {name:<44} {fmt(metrics[name])}")
+    if collector is not None and collector.running():
+        try:
+            own = collector.metrics()
+        except (OSError, harness.HarnessError) as exc:
+            print(f"    (collector metrics unavailable: {exc})")
+            return
+        print(f"    collector ({collector.metrics_url}):")
+        for name in sorted(own):
+            if name.startswith("kvroute_collector_") and not any(x in name for x in ("_bucket", "_sum", "_count")):
+                print(f"    {name:<70} {fmt(own[name])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if not harness.wasm_available():
         print(f"demo: {harness.WASM_MISSING_REASON}", file=sys.stderr)
         return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from up import start_collector  # noqa: PLC0415
+
     harness.install_sigterm_as_interrupt()
     started = time.monotonic()
     try:
@@ -168,14 +251,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: {exc}", file=sys.stderr)
         return 2
     ok = True
+    collector = None
     try:
         stack.start()
         print(f"kvroute demo: replicas {short(stack.live_hosts[0])}..{short(stack.live_hosts[-1])} on 127.0.0.1, "
-              f"gateway {stack.gateway_url}, admin {stack.admin_url}, Envoy workers {args.concurrency}")
+              f"gateway {stack.gateway_url}, admin {stack.admin_url}, ingest {stack.ingest_url}, "
+              f"Envoy workers {args.concurrency}")
+        collector = start_collector(stack, interval_ms=100)
+        if collector is not None:
+            print(f"collector: pid {collector.proc.pid}, scraping every 100 ms, metrics {collector.metrics_url}")
         ok &= phase_sessions(stack)
         ok &= phase_prefix(stack)
         ok &= phase_hot_key(stack)
-        show_metrics(stack)
+        ok &= phase_fleet(stack, collector)
+        show_metrics(stack, collector)
     except harness.HarnessError as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ mod host;
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
 use kvroute_core::config::Role;
 use kvroute_core::decide::{self, Decision, FleetInput, Unparsed};
@@ -57,6 +57,37 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+impl Shared {
+    /// The fleet snapshot, decoded again only when a newer one was stored;
+    /// keeps the fleet gauges current.
+    fn fleet(&self, id: u32, now: u64) -> Option<Rc<FleetView>> {
+        let Ok(mut cache) = self.fleet.try_borrow_mut() else {
+            return None;
+        };
+        let (view, refresh) = cache.refresh(&self.config, &HostSharedData);
+        let m = &self.metrics;
+        match (refresh, &view) {
+            (Refresh::Decoded, Some(v)) => {
+                log::info!(
+                    "[{id}] kvroute: fleet snapshot seq {} with {} hosts in use",
+                    v.seq,
+                    v.hosts.len()
+                );
+                m.gauge(Gauge::FleetHosts, v.hosts.len() as u64);
+            }
+            (Refresh::Failed, _) => m.count(Counter::SnapshotDecodeFailed, 1),
+            _ => {}
+        }
+        if let Some(v) = &view {
+            m.gauge(Gauge::SnapshotAgeMs, v.age_ms(now));
+        }
+        view
+    }
+}
+
+/// How often a router refreshes its snapshot and gauges when idle.
+const TICK: Duration = Duration::from_secs(1);
+
 fn json_reply(status: u32, body: Option<&str>) {
     let headers = match body {
         Some(_) => vec![("content-type", "application/json")],
@@ -89,6 +120,13 @@ impl RootContext for Root {
         };
         match Config::from_json(&bytes) {
             Ok(config) => {
+                if config.role == Role::Router {
+                    // Keeps the fleet gauges current on a quiet gateway and
+                    // decodes new snapshots off the request path.
+                    if let Err(e) = hostcalls::set_tick_period(TICK) {
+                        log::warn!("kvroute: cannot set tick period: {e:?}");
+                    }
+                }
                 match config.role {
                     Role::Router => log::info!(
                         "kvroute: router configured: {} hosts, header {}, {} fallbacks, epsilon {}",
@@ -138,6 +176,12 @@ impl RootContext for Root {
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
     }
+
+    fn on_tick(&mut self) {
+        if let Some(shared) = &self.shared {
+            shared.fleet(0, now_ms());
+        }
+    }
 }
 
 /// One HTTP stream.
@@ -163,40 +207,10 @@ fn header(name: &str) -> Option<String> {
 }
 
 impl Stream {
-    /// The fleet snapshot, decoded again only when a newer one was stored.
-    fn fleet(&self) -> Option<Rc<FleetView>> {
-        let Ok(mut cache) = self.shared.fleet.try_borrow_mut() else {
-            return None;
-        };
-        let (view, refresh) = cache.refresh(&self.shared.config, &HostSharedData);
-        let m = &self.shared.metrics;
-        match refresh {
-            Refresh::Decoded => {
-                if let Some(v) = &view {
-                    log::info!(
-                        "[{}] kvroute: fleet snapshot seq {} with {} hosts in use",
-                        self.id,
-                        v.seq,
-                        v.hosts.len()
-                    );
-                    m.gauge(Gauge::FleetHosts, v.hosts.len() as u64);
-                }
-            }
-            Refresh::Failed => m.count(Counter::SnapshotDecodeFailed, 1),
-            Refresh::Unchanged => {}
-        }
-        view
-    }
-
     /// Decides once, sets the destination header, and returns the action.
     fn decide(&mut self, facts: Result<decide::Facts, Unparsed>) -> Action {
-        let view = self.fleet();
         let now = now_ms();
-        if let Some(v) = &view {
-            self.shared
-                .metrics
-                .gauge(Gauge::SnapshotAgeMs, v.age_ms(now));
-        }
+        let view = self.shared.fleet(self.id, now);
         let cfg = &self.shared.config;
         let d = decide::route(
             cfg,

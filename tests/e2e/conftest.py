@@ -5,6 +5,10 @@ by PID when the module is done. Tests that need the built filter skip with a
 clear reason while target/wasm32-wasip1/release/kvroute.wasm does not exist
 (KVROUTE_REQUIRE_WASM=1 turns that into a failure; KVROUTE_WASM=path tests
 another build; KVROUTE_E2E_KEEP=1 keeps each stack's logs and config).
+
+Tests that run kvroute-collector skip likewise while it is not built
+(target/release or target/debug, or KVROUTE_COLLECTOR=path);
+KVROUTE_REQUIRE_COLLECTOR=1 turns that into a failure.
 """
 
 from __future__ import annotations
@@ -28,6 +32,18 @@ def wasm_path() -> Path:
             pytest.fail(harness.WASM_MISSING_REASON + " and KVROUTE_REQUIRE_WASM=1")
         pytest.skip(harness.WASM_MISSING_REASON)
     return harness.WASM_PATH
+
+
+@pytest.fixture(scope="session")
+def collector_binary() -> Path:
+    found = harness.collector_binary()
+    if found is None:
+        reason = harness.collector_missing_reason()
+        if os.environ.get("KVROUTE_REQUIRE_COLLECTOR") == "1":
+            # CI sets this once it builds the collector: a missing binary must fail.
+            pytest.fail(reason + " and KVROUTE_REQUIRE_COLLECTOR=1")
+        pytest.skip(reason)
+    return found
 
 
 @pytest.fixture

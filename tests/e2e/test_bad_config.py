@@ -98,6 +98,33 @@ def test_filter_accepts_example_config(path, tmp_path, wasm_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_ingest_token_is_never_logged(tmp_path, wasm_path):
+    """A refused ingest config names ingest.token but never prints its value."""
+    secret = "sekrit-Value-42"  # 15 characters: one too short
+    path, _ = write_config(tmp_path, {"role": "ingest", "ingest": {"token": secret}})
+    result = harness.validate_config(path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert_names_problem(output, ["ingest.token"])
+    assert secret not in output
+
+
+def test_bad_ingest_listener_config_is_refused(tmp_path, wasm_path):
+    """The ingest listener's plugin is checked like the router's: Envoy refuses it."""
+    gateway, admin, ingest = harness.free_ports(3)
+    cfg = harness.build_envoy_config(
+        gateway_port=gateway, admin_port=admin, endpoints=["127.0.0.1:8001"],
+        ingest_port=ingest, ingest_config={"role": "ingest", "ingest": {"token": "0123456789abcdef", "maxBytes": 0}},
+    )
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    result = harness.validate_config(path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "Unable to create Wasm plugin kvroute-ingest" in output, output[-3000:]
+    assert_names_problem(output, ["ingest.maxBytes"])
+
+
 def test_good_config_starts(tmp_path, wasm_path):
     """Control for the refusals above: the same harness path with a good config comes up."""
     _, cfg = write_config(tmp_path, {"hosts": ["127.0.0.1:8001", "127.0.0.1:8002"]})

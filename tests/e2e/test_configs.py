@@ -9,7 +9,8 @@
   YAML, validates against examples/kvroute.schema.json.
 - The schema refuses the broken configs the filter must refuse.
 - Cross-file invariants of the local stack (hosts == cluster endpoints,
-  retries == fallbacks, ORIGINAL_DST => fallbacks 0 and fail-closed).
+  retries == fallbacks, ORIGINAL_DST => fallbacks 0 and fail-closed, the
+  ingest listener shares the router's vm_id and sharedDataPrefix).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def schema_errors(schema: dict, instance) -> list[str]:
 def test_there_are_configs_to_check():
     names = {p.name for p in YAMLS}
     assert {"envoy.yaml", "envoy-original-dst.yaml"} <= names, names
-    assert {"minimal.json", "local-stack.json", "production.json"} <= {p.name for p in EXAMPLE_JSONS}
+    assert {"minimal.json", "local-stack.json", "production.json", "ingest.json"} <= {p.name for p in EXAMPLE_JSONS}
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=rel)
@@ -157,6 +158,15 @@ def test_local_stack_example_equals_envoy_yaml():
     assert harness.embedded_plugin_config(harness.load_yaml()) == example
 
 
+@pytest.mark.parametrize("path", [
+    p for p in YAMLS if len(load_docs(p)) == 1 and harness.ingest_plugins(load_docs(p)[0])
+], ids=rel)
+def test_ingest_example_equals_envoy_yaml(path: Path):
+    with open(EXAMPLES / "ingest.json", encoding="utf-8") as f:
+        example = json.load(f)
+    assert harness.embedded_ingest_config(load_docs(path)[0]) == example
+
+
 @pytest.mark.parametrize(
     "case", [c for c in BAD_PLUGIN_CONFIGS if c[3]], ids=[c[0] for c in BAD_PLUGIN_CONFIGS if c[3]]
 )
@@ -175,7 +185,7 @@ def test_schema_defaults_are_valid(schema: dict):
     def defaults(node: dict) -> dict:
         out = {}
         for name, prop in node.get("properties", {}).items():
-            if prop.get("type") == "object":
+            if prop.get("type") == "object" and "default" in prop:
                 out[name] = defaults(prop)
             elif "default" in prop:
                 out[name] = prop["default"]
@@ -183,8 +193,49 @@ def test_schema_defaults_are_valid(schema: dict):
 
     full = defaults(schema)
     full["hosts"] = ["127.0.0.1:8001"]
+    assert full["role"] == "router"
     assert schema_errors(schema, full) == []
-    assert set(full) == set(schema["properties"]), "every top-level field has a default except hosts"
+    # hosts is required (router role); ingest has no default (its token has none).
+    assert set(full) == set(schema["properties"]) - {"ingest"}, "every top-level field but ingest has a default"
+    # The ingest role with every default spelled out, plus a token.
+    ingest = {**full, "role": "ingest", "hosts": [],
+              "ingest": {**defaults(schema["properties"]["ingest"]), "token": "0123456789abcdef"}}
+    assert schema_errors(schema, ingest) == []
+
+
+@pytest.mark.parametrize(
+    "config,ok",
+    [
+        ({"hosts": ["127.0.0.1:1"]}, True),
+        ({"role": "router", "hosts": ["127.0.0.1:1"]}, True),
+        ({"role": "router"}, False),
+        ({"role": "router", "hosts": []}, False),
+        ({"role": "ingest", "ingest": {"token": "0123456789abcdef"}}, True),
+        ({"role": "ingest", "hosts": [], "ingest": {"token": "0123456789abcdef"}}, True),
+        ({"role": "ingest"}, False),
+        ({"role": "ingest", "ingest": {"token": "0123456789abcde"}}, False),
+        ({"role": "ingest", "ingest": {"token": "0123456789 abcdef"}}, False),
+        ({"role": "ingest", "ingest": {"token": "0123456789abcdef", "maxBytes": 0}}, False),
+        ({"role": "ingest", "ingest": {"token": "0123456789abcdef", "maxBytes": 67108865}}, False),
+        ({"role": "ingest", "ingest": {"token": "0123456789abcdef", "other": 1}}, False),
+        ({"role": "gateway", "hosts": ["127.0.0.1:1"]}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"staleAfterMs": 500, "kvPressure": 0.99, "queuePressure": 64}}, True),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"weights": {"prefix": 0, "kv": 100, "queue": 2.5}}}, True),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"weights": {"kv": -1}}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"weights": {"lora": 1}}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"kvPressure": 0}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"kvPressure": 1.01}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"staleAfterMs": 0}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"staleAfterMs": 3600001}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"queuePressure": 0}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"queueNormTokens": 0}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"scoreQuantum": 10.5}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"prefixIndexSlots": 1048577}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"staleAfter": 1}}, False),
+    ],
+)
+def test_schema_roles_and_fleet(config: dict, ok: bool, schema: dict):
+    assert (schema_errors(schema, config) == []) == ok, schema_errors(schema, config)
 
 
 @pytest.mark.parametrize(
@@ -255,6 +306,28 @@ def test_original_dst_invariants():
         "use_http_header": True,
         "http_header_name": pc.get("destinationHeader", "x-gateway-destination-endpoint"),
     }
+
+
+@pytest.mark.parametrize("path", [p for p in YAMLS if p.name in ("envoy.yaml", "envoy-original-dst.yaml")], ids=rel)
+def test_ingest_listener_invariants(path: Path):
+    """The collector's push must land where the router reads: same vm_id and
+    code, same sharedDataPrefix; the listener is loopback, buffers more than
+    maxBytes (so the filter, not Envoy, answers 413) and pauses for bodies."""
+    cfg = harness.load_yaml(path)
+    listener = harness.find_listener(cfg, harness.INGEST_LISTENER_NAME)
+    assert listener is not None, f"{rel(path)} has no ingest listener"
+    assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 10001}
+    router, ingest = harness.router_plugins(cfg)[0], harness.ingest_plugins(cfg)[0]
+    assert ingest["vm_config"] == router["vm_config"], "same vm_id, runtime and code: shared data is per vm_id"
+    assert ingest["allow_on_headers_stop_iteration"] is True
+    assert ingest["failure_policy"] == "FAIL_CLOSED"
+    rc, ic = (json.loads(p["configuration"]["value"]) for p in (router, ingest))
+    assert ic["role"] == "ingest" and rc.get("role", "router") == "router"
+    assert ic.get("sharedDataPrefix", "kvroute") == rc.get("sharedDataPrefix", "kvroute")
+    assert listener["per_connection_buffer_limit_bytes"] > ic["ingest"].get("maxBytes", 4194304)
+    # No upstream: every request is answered by the filter (or the direct response).
+    routes = [d for d in harness.iter_dicts(listener) if "match" in d]
+    assert routes and all("direct_response" in r for r in routes), routes
 
 
 def test_every_yaml_listens_on_loopback_only():

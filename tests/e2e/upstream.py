@@ -1,32 +1,57 @@
 #!/usr/bin/env python3
-"""Loopback stand-in for a fleet of inference replicas.
+"""Loopback stand-in for a fleet of inference replicas (vLLM-like).
 
 One process serves several ports, one per replica. Every request, on any
 path and with any method, is answered 200 with a small JSON document that
 says which replica served it and what it saw:
 
     {"served_by": "127.0.0.1:8002", "method": "POST", "path": "/v1/chat/completions",
-     "request_bytes": 1234, "destination_header": "127.0.0.1:8002,127.0.0.1:8004"}
+     "request_bytes": 1234, "destination_header": "127.0.0.1:8002,127.0.0.1:8004",
+     "model": "test-model", "model_served": true}
 
 plus the response header ``x-served-by``. The whole request body is read
-(Content-Length or chunked). A request with ``x-upstream-delay-ms: N`` is held
-for N milliseconds before the answer (capped at 60 s), which is how tests keep
-requests in flight to exercise bounded load.
+(Content-Length or chunked). ``model`` is the body's "model" field (null if
+there is none); a request for a model the replica does not serve is still
+answered 200 (this is a test double), with ``"model_served": false``, so tests
+can check where each model's requests went. A request with
+``x-upstream-delay-ms: N`` is held for N milliseconds before the answer
+(capped at 60 s), which is how tests keep requests in flight.
+
+Three paths are the engine's own, as a scraper sees them (vLLM's names):
+
+- ``GET /health``: 200 when the replica is ready, 503 when not;
+- ``GET /metrics``: Prometheus text with ``vllm:num_requests_waiting``,
+  ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` (series
+  labelled ``model_name="<first model>"``), ``vllm:cache_config_info``
+  (labels ``block_size``, ``num_gpu_blocks``) and, when the replica serves
+  more than one model, the others as LoRA adapters in
+  ``vllm:lora_requests_info{running_lora_adapters="a,b"}``;
+- ``GET /_control``: the replica's state and request counts as JSON;
+  ``POST /_control`` with a JSON object changes the state, e.g.
+  ``{"ready": false}``, ``{"kv": 0.95, "waiting": 20}``,
+  ``{"models": ["model-a"]}``, ``{"reset_counts": true}``.
+
+State (defaults): ready true, kv 0.0, waiting 0, running 0, models
+["test-model"] (an empty list exports no model_name label), block_size 16,
+num_gpu_blocks 8192. The figures are what the test sets, not measured.
 
 Run standalone:   python tests/e2e/upstream.py --ports 8001,8002,8003,8004
-Or import:        fleet = Fleet([8001, 8002]); fleet.start(); ...; fleet.stop()
+Or import:        fleet = Fleet([8001, 8002]); fleet.start();
+                  fleet.set_state(8001, ready=False); ...; fleet.stop()
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import signal
 import sys
 import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterable
+from typing import Any, Iterable
 
 HOST = "127.0.0.1"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -34,6 +59,91 @@ DELAY_HEADER = "x-upstream-delay-ms"
 MAX_DELAY_MS = 60_000
 # Refuse absurd uploads rather than eat the test machine's memory.
 MAX_BODY_BYTES = 256 * 1024 * 1024
+# Bodies up to this size are kept and parsed for their "model" field.
+MAX_PARSED_BODY_BYTES = 8 * 1024 * 1024
+CONTROL_PATH = "/_control"
+DEFAULT_MODEL = "test-model"
+
+DEFAULT_STATE: dict[str, Any] = {
+    "ready": True,
+    "kv": 0.0,
+    "waiting": 0,
+    "running": 0,
+    "models": [DEFAULT_MODEL],
+    "block_size": 16,
+    "num_gpu_blocks": 8192,
+}
+
+
+class StateError(ValueError):
+    pass
+
+
+def validate_state_update(update: Any) -> dict[str, Any]:
+    """A partial state from /_control, type-checked (a typo is an error, not ignored)."""
+    if not isinstance(update, dict):
+        raise StateError("expected a JSON object")
+    out: dict[str, Any] = {}
+    for key, value in update.items():
+        if key == "reset_counts":
+            out[key] = bool(value)
+        elif key == "ready":
+            if not isinstance(value, bool):
+                raise StateError("ready: expected true or false")
+            out[key] = value
+        elif key == "kv":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise StateError("kv: expected a number from 0 to 1")
+            out[key] = float(value)
+        elif key in ("waiting", "running", "block_size", "num_gpu_blocks"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise StateError(f"{key}: expected a non-negative integer")
+            out[key] = value
+        elif key == "models":
+            if not isinstance(value, list) or not all(isinstance(m, str) and m for m in value):
+                raise StateError("models: expected a list of non-empty strings")
+            out[key] = list(value)
+        else:
+            raise StateError(f"unknown field {key!r}")
+    return out
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_metrics(state: dict[str, Any]) -> str:
+    """vLLM-style Prometheus exposition text for one replica's state."""
+    models = state["models"]
+    labels = f'engine="0",model_name="{_label(models[0])}"' if models else 'engine="0"'
+    lines = [
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        f"vllm:num_requests_running{{{labels}}} {float(state['running'])}",
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+        "# TYPE vllm:num_requests_waiting gauge",
+        f"vllm:num_requests_waiting{{{labels}}} {float(state['waiting'])}",
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        f"vllm:kv_cache_usage_perc{{{labels}}} {float(state['kv'])}",
+        "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.",
+        "# TYPE vllm:prefix_cache_queries_total counter",
+        f"vllm:prefix_cache_queries_total{{{labels}}} 0.0",
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+        "# TYPE vllm:cache_config_info gauge",
+        'vllm:cache_config_info{block_size="%d",cache_dtype="auto",enable_prefix_caching="True",'
+        'gpu_memory_utilization="0.9",num_cpu_blocks="0",num_gpu_blocks="%d"} 1.0'
+        % (state["block_size"], state["num_gpu_blocks"]),
+    ]
+    if len(models) > 1:
+        adapters = ",".join(_label(m) for m in models[1:])
+        lines += [
+            "# HELP vllm:lora_requests_info Running stats on lora requests.",
+            "# TYPE vllm:lora_requests_info gauge",
+            f'vllm:lora_requests_info{{max_lora="{len(models)}",running_lora_adapters="{adapters}",'
+            f'waiting_lora_adapters=""}} {time.time():.3f}',
+        ]
+    return "\n".join(lines) + "\n"
 
 
 class _BodyError(Exception):
@@ -65,8 +175,9 @@ class ReplicaHandler(BaseHTTPRequestHandler):
             remaining -= len(chunk)
         return b"".join(chunks)
 
-    def _read_chunked(self) -> int:
+    def _read_chunked(self) -> bytes:
         total = 0
+        parts: list[bytes] = []
         while True:
             line = self.rfile.readline(1024)
             if not line:
@@ -81,59 +192,91 @@ class ReplicaHandler(BaseHTTPRequestHandler):
                 while True:
                     trailer = self.rfile.readline(8192)
                     if trailer in (b"\r\n", b"\n", b""):
-                        return total
+                        return b"".join(parts)
             total += size
             if total > MAX_BODY_BYTES:
                 raise _BodyError("body too large")
-            self._read_exact(size)
+            parts.append(self._read_exact(size))
             self._read_exact(2)  # CRLF after the chunk data
 
-    def _read_body(self) -> int:
+    def _read_body(self) -> bytes:
         encoding = (self.headers.get("Transfer-Encoding") or "").lower()
         if "chunked" in encoding:
             return self._read_chunked()
         length = self.headers.get("Content-Length")
         if not length:
-            return 0
+            return b""
         try:
             n = int(length)
         except ValueError as exc:
             raise _BodyError(f"bad Content-Length {length!r}") from exc
         if n < 0 or n > MAX_BODY_BYTES:
             raise _BodyError("bad Content-Length")
-        self._read_exact(n)
-        return n
+        return self._read_exact(n)
 
     # -- answering --------------------------------------------------------
     def _answer(self) -> None:
         try:
-            body_bytes = self._read_body()
+            body = self._read_body()
         except _BodyError as exc:
             self.close_connection = True
             self._send(400, {"error": str(exc), "served_by": self.server.replica})
             return
-        delay = self.headers.get(DELAY_HEADER)
-        if delay:
+        route = self.path.split("?", 1)[0]
+        if route == CONTROL_PATH:
+            return self._control(body)
+        if self.command == "GET" and route == "/health":
+            ready = self.server.snapshot_state()["ready"]
+            return self._send(200 if ready else 503, {"status": "ok" if ready else "not ready"})
+        if self.command == "GET" and route == "/metrics":
+            return self._send_text(200, render_metrics(self.server.snapshot_state()))
+
+        model = request_model(body)
+        self.server.begin_request(model)
+        try:
+            delay = self.headers.get(DELAY_HEADER)
+            if delay:
+                try:
+                    time.sleep(min(max(int(delay), 0), MAX_DELAY_MS) / 1000.0)
+                except ValueError:
+                    pass
+            models = self.server.snapshot_state()["models"]
+            dest_values = self.headers.get_all(DESTINATION_HEADER) or []
+            self._send(
+                200,
+                {
+                    "served_by": self.server.replica,
+                    "method": self.command,
+                    "path": self.path,
+                    "request_bytes": len(body),
+                    "destination_header": ",".join(dest_values) if dest_values else None,
+                    "model": model,
+                    "model_served": model is None or not models or model in models,
+                },
+            )
+        finally:
+            self.server.end_request()
+
+    def _control(self, body: bytes) -> None:
+        if self.command == "POST":
             try:
-                time.sleep(min(max(int(delay), 0), MAX_DELAY_MS) / 1000.0)
-            except ValueError:
-                pass
-        dest_values = self.headers.get_all(DESTINATION_HEADER) or []
-        self._send(
-            200,
-            {
-                "served_by": self.server.replica,
-                "method": self.command,
-                "path": self.path,
-                "request_bytes": body_bytes,
-                "destination_header": ",".join(dest_values) if dest_values else None,
-            },
-        )
+                update = validate_state_update(json.loads(body or b"{}"))
+            except (ValueError, StateError) as exc:
+                return self._send(400, {"error": f"/_control: {exc}"})
+            self.server.update_state(update)
+        elif self.command != "GET":
+            return self._send(405, {"error": "use GET or POST /_control"})
+        self._send(200, self.server.info())
 
     def _send(self, status: int, doc: dict) -> None:
-        payload = json.dumps(doc).encode()
+        self._send_bytes(status, json.dumps(doc).encode(), "application/json")
+
+    def _send_text(self, status: int, text: str) -> None:
+        self._send_bytes(status, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+    def _send_bytes(self, status: int, payload: bytes, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
         self.send_header("x-served-by", self.server.replica)
         self.end_headers()
@@ -153,6 +296,57 @@ class ReplicaServer(ThreadingHTTPServer):
         super().__init__((HOST, port), ReplicaHandler)
         self.replica = f"{HOST}:{self.server_address[1]}"
         self.verbose = verbose
+        self._lock = threading.Lock()
+        self._state = copy.deepcopy(DEFAULT_STATE)
+        self._requests = 0
+        self._by_model: Counter = Counter()
+        self._inflight = 0
+
+    # State and counts, shared by the handler threads.
+    def snapshot_state(self) -> dict[str, Any]:
+        with self._lock:
+            return copy.deepcopy(self._state)
+
+    def update_state(self, update: dict[str, Any]) -> None:
+        update = dict(update)
+        with self._lock:
+            if update.pop("reset_counts", False):
+                self._requests = 0
+                self._by_model.clear()
+            self._state.update(update)
+
+    def begin_request(self, model: str | None) -> None:
+        with self._lock:
+            self._requests += 1
+            self._by_model[model if model is not None else ""] += 1
+            self._inflight += 1
+
+    def end_request(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+
+    def info(self) -> dict[str, Any]:
+        """What GET /_control answers: state plus counts of non-engine requests."""
+        with self._lock:
+            return {
+                "replica": self.replica,
+                "state": copy.deepcopy(self._state),
+                "requests": self._requests,
+                "requests_by_model": dict(self._by_model),
+                "inflight": self._inflight,
+            }
+
+
+def request_model(body: bytes) -> str | None:
+    """The "model" field of a JSON request body, if there is one."""
+    if not body or len(body) > MAX_PARSED_BODY_BYTES or body.lstrip()[:1] != b"{":
+        return None
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):  # hostile test bodies nest 100k deep
+        return None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    return model if isinstance(model, str) else None
 
 
 class Fleet:
@@ -167,6 +361,20 @@ class Fleet:
     @property
     def addresses(self) -> list[str]:
         return [s.replica for s in self.servers]
+
+    def server(self, replica: int | str) -> ReplicaServer:
+        """A replica by port or by "ip:port"."""
+        for server in self.servers:
+            if replica in (server.server_address[1], server.replica):
+                return server
+        raise KeyError(f"no replica {replica!r} in this fleet")
+
+    def set_state(self, replica: int | str, **update: Any) -> None:
+        """In-process equivalent of POST /_control."""
+        self.server(replica).update_state(validate_state_update(update))
+
+    def info(self, replica: int | str) -> dict[str, Any]:
+        return self.server(replica).info()
 
     def start(self) -> "Fleet":
         try:

@@ -361,7 +361,7 @@ impl Config {
         let mut de = serde_json::Deserializer::from_slice(bytes);
         let raw: RawConfig = serde_path_to_error::deserialize(&mut de).map_err(|e| {
             let path = e.path().to_string();
-            let field = if path == "." {
+            let field = if path == "." || path == "?" {
                 "config".to_owned()
             } else {
                 path

@@ -354,16 +354,15 @@ pub fn pick_fleet(
             .find(|(h, _)| *h == id.id)
             .map_or(0.0, |&(_, d)| f64::from(d) / blocks)
             .min(1.0);
-        let kv_tokens = match (fresh, host.state.kv_capacity_tokens) {
-            (true, Some(cap)) => (kv * cap as f64) as u64,
-            _ => 0,
-        };
         cands.push(Candidate {
             index,
             id: id.id,
             score: f.w_prefix * hit - f.w_kv * kv - f.w_queue * queue_term,
             pressured: fresh && (kv >= f.kv_pressure || waiting >= f.queue_pressure),
-            load: gw.prefill.saturating_add(gw.decode).max(kv_tokens),
+            // Bounded load balances what this gateway dispatches; the
+            // engines' own figures act through the score and the pressure
+            // tiers, so locality only yields at the pressure threshold.
+            load: gw.prefill.saturating_add(gw.decode),
         });
     }
     let key = facts.affinity.key();
@@ -407,6 +406,22 @@ fn publish_totals(metrics: &dyn Metrics, table: &LoadTable) {
     let (prefill, decode) = table.totals();
     metrics.gauge(Gauge::InflightPrefillTokens, prefill);
     metrics.gauge(Gauge::InflightDecodeTokens, decode);
+}
+
+/// The snapshot's replicas that may take any request: ready and not
+/// draining, or with stale (unknown) data.
+fn usable_hosts(cfg: &Config, f: FleetInput<'_>) -> HostSet {
+    let view_age = f.view.age_ms(f.now_ms);
+    HostSet::new(
+        f.view
+            .hosts
+            .iter()
+            .filter(|h| {
+                h.age_ms(view_age) > cfg.fleet.stale_after_ms
+                    || (h.state.ready && !h.state.draining)
+            })
+            .map(|h| h.state.address.clone()),
+    )
 }
 
 /// Fleet state for a decision: the decoded snapshot and the gateway's clock.
@@ -478,8 +493,15 @@ pub fn route(
         Err(cause) => {
             metrics.count(cause.counter(), 1);
             let table = load::read(store, &cfg.load_key);
-            // Unparsed requests have no model: any replica of the universe.
-            let hosts = fleet.map_or(&cfg.hosts, |f| &f.view.set);
+            // Unparsed requests have no model: any usable replica.
+            let usable;
+            let hosts = match fleet {
+                Some(f) => {
+                    usable = usable_hosts(cfg, f);
+                    &usable
+                }
+                None => &cfg.hosts,
+            };
             let pick =
                 picker::pick_least_loaded(hosts, &table.loads_for(hosts), tiebreak, cfg.fallbacks);
             Decision {
@@ -538,6 +560,7 @@ mod tests {
     use super::*;
     use crate::host::{MemoryMetrics, MemorySharedData};
     use serde_json::json;
+
 
     fn cfg() -> Config {
         Config::from_json(
@@ -776,6 +799,113 @@ mod tests {
         }
         apply_prior(&c, &store, &mut f);
         assert_eq!(f.output_tokens, 100);
+    }
+
+    fn view(hosts: &[(&str, bool, f64, u32, &[&str])], age_ms: u64) -> FleetView {
+        let snap = crate::fleet::Snapshot {
+            version: 1,
+            seq: 1,
+            collector: "t".into(),
+            taken_at_ms: 1000,
+            hosts: hosts
+                .iter()
+                .map(|&(addr, ready, kv, waiting, models)| crate::fleet::HostState {
+                    address: addr.into(),
+                    ready,
+                    draining: false,
+                    models: models.iter().map(|m| m.to_string()).collect(),
+                    kv_utilization: kv,
+                    waiting,
+                    running: 0,
+                    kv_capacity_tokens: Some(100_000),
+                    block_size: Some(16),
+                    scraped_at_ms: 1000 - age_ms,
+                    engine: None,
+                })
+                .collect(),
+        };
+        FleetView::new(snap, 5000)
+    }
+
+    fn fleet_pick(v: &FleetView, f: &Facts, now: u64) -> Decision {
+        let store = MemorySharedData::default();
+        let m = MemoryMetrics::default();
+        route(&cfg(), &store, &m, Ok(f), Some(FleetInput { view: v, now_ms: now }), 0)
+    }
+
+    #[test]
+    fn fleet_filters_unready_and_other_models() {
+        let v = view(
+            &[
+                ("10.0.0.1:80", false, 0.0, 0, &["llama"]),
+                ("10.0.0.2:80", true, 0.0, 0, &["other"]),
+                ("10.0.0.3:80", true, 0.5, 0, &["llama"]),
+            ],
+            0,
+        );
+        for s in 0..20 {
+            let f = facts(&chat(json!([]), json!({})), Some(&format!("s{s}")));
+            let d = fleet_pick(&v, &f, 5000);
+            assert_eq!(d.targets, vec!["10.0.0.3:80".to_string()], "{d:?}");
+            assert!(!d.degraded);
+        }
+        let other = serde_json::to_vec(&json!({"model": "nobody", "messages": []})).unwrap();
+        let d = fleet_pick(&v, &facts(&other, None), 5000);
+        assert_eq!(d.reason, Reason::NoHosts);
+        assert!(d.targets.is_empty());
+    }
+
+    #[test]
+    fn stale_hosts_are_candidates_scored_on_gateway_load() {
+        let v = view(&[("10.0.0.1:80", false, 0.99, 50, &[]), ("10.0.0.2:80", false, 0.99, 50, &[])], 0);
+        let f = facts(&chat(json!([]), json!({})), Some("s"));
+        // 5000 ms since ingest > staleAfterMs: readiness and pressure are unknown.
+        let d = fleet_pick(&v, &f, 5000 + 2001);
+        assert!(d.degraded);
+        assert_eq!(d.targets.len(), 2);
+        assert_eq!(fleet_pick(&v, &f, 5000).reason, Reason::NoHosts);
+    }
+
+    #[test]
+    fn pressure_moves_conversations_only_past_the_threshold() {
+        // A conversation whose prefix the index places on host 1.
+        let c = cfg();
+        let store = MemorySharedData::default();
+        let m = MemoryMetrics::default();
+        let doc = "shared document ".repeat(600);
+        let f = facts(&chat(json!([{"role":"user","content":doc}]), json!({})), None);
+        let calm = view(&[("10.0.0.1:80", true, 0.0, 0, &[]), ("10.0.0.2:80", true, 0.0, 0, &[])], 0);
+        let home = route(&c, &store, &m, Ok(&f), Some(FleetInput { view: &calm, now_ms: 5000 }), 0);
+        let home_addr = home.targets[0].clone();
+        let other_addr = if home_addr == "10.0.0.1:80" { "10.0.0.2:80" } else { "10.0.0.1:80" };
+        release(&c, &store, &m, home.charge.unwrap());
+        // Busy but below the thresholds (0.85 < 0.9, 20 < 32): it stays.
+        let busy = view(&[(&home_addr, true, 0.85, 20, &[]), (other_addr, true, 0.0, 0, &[])], 0);
+        let d = route(&c, &store, &m, Ok(&f), Some(FleetInput { view: &busy, now_ms: 5000 }), 0);
+        assert_eq!(d.targets[0], home_addr, "{d:?}");
+        release(&c, &store, &m, d.charge.unwrap());
+        // Past the KV threshold: it moves.
+        let hot = view(&[(&home_addr, true, 0.95, 20, &[]), (other_addr, true, 0.0, 0, &[])], 0);
+        let d = route(&c, &store, &m, Ok(&f), Some(FleetInput { view: &hot, now_ms: 5000 }), 0);
+        assert_eq!(d.targets[0], other_addr, "{d:?}");
+        release(&c, &store, &m, d.charge.unwrap());
+        // A new conversation avoids the busy replica even below the threshold.
+        let new = facts(&chat(json!([{"role":"user","content":"fresh question"}]), json!({})), None);
+        let d = route(&c, &store, &m, Ok(&new), Some(FleetInput { view: &busy, now_ms: 5000 }), 0);
+        assert_eq!(d.targets[0], other_addr);
+    }
+
+    #[test]
+    fn unparsed_requests_avoid_unready_replicas() {
+        let c = cfg();
+        let store = MemorySharedData::default();
+        let m = MemoryMetrics::default();
+        let v = view(&[("10.0.0.1:80", false, 0.0, 0, &[]), ("10.0.0.2:80", true, 0.0, 0, &[]), ("10.0.0.3:80", false, 0.0, 0, &[])], 0);
+        for t in 0..10 {
+            let d = route(&c, &store, &m, Err(Unparsed::NotInference), Some(FleetInput { view: &v, now_ms: 5000 }), t);
+            assert_eq!(d.targets[0], "10.0.0.2:80");
+            assert!(!d.targets.iter().any(|t| t == "10.0.0.1:80"));
+        }
     }
 
     #[test]

@@ -115,7 +115,7 @@ impl Snapshot {
         let mut de = serde_json::Deserializer::from_slice(bytes);
         let snap: Snapshot = serde_path_to_error::deserialize(&mut de).map_err(|e| {
             let path = e.path().to_string();
-            let field = if path == "." {
+            let field = if path == "." || path == "?" {
                 "snapshot".to_owned()
             } else {
                 path

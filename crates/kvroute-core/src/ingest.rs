@@ -96,9 +96,13 @@ impl Outcome {
 /// Checks `Authorization: Bearer <token>` in time independent of where the
 /// token differs.
 pub fn authorized(cfg: &IngestConfig, authorization: Option<&str>) -> bool {
-    let Some(given) = authorization.and_then(|a| a.strip_prefix("Bearer ")) else {
+    // The scheme is case-insensitive (RFC 9110 section 11.1).
+    let Some((scheme, given)) = authorization.and_then(|a| a.trim().split_once(' ')) else {
         return false;
     };
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return false;
+    }
     let (a, b) = (given.trim().as_bytes(), cfg.token.as_bytes());
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
@@ -277,6 +281,8 @@ mod tests {
         assert!(!authorized(ing, Some("Bearer 0123456789abcdeX")));
         assert!(!authorized(ing, Some("Bearer 0123456789abcde")));
         assert!(!authorized(ing, Some("0123456789abcdef")));
+        assert!(authorized(ing, Some("bearer 0123456789abcdef")));
+        assert!(!authorized(ing, Some("Basic 0123456789abcdef")));
         assert!(!authorized(ing, None));
         assert_eq!(route_check("POST", INGEST_PATH), None);
         assert_eq!(
