@@ -219,20 +219,24 @@ pub mod defaults {
     pub fn stale_after_ms() -> u64 {
         2000
     }
-    /// Locality's weight: a full prefix hit (1.0) outweighs KV and queue
-    /// pressure together below the pressure thresholds (at most 0.9 + 1),
-    /// so conversations stay until their replica is pressured.
+    /// Locality's weight: a full prefix hit (3) outweighs a full queue term
+    /// (2), so conversations stay until their replica is pressured.
     pub fn w_prefix() -> f64 {
         3.0
     }
+    /// 0: a stale KV figure in the order herds new conversations onto the
+    /// replica that looked emptiest (see `score.rs` and the score_sweep
+    /// measurements); KV acts through `kvPressure` instead.
     pub fn w_kv() -> f64 {
-        1.0
+        0.0
     }
+    /// The queue term is half engine-reported, half the gateway's own
+    /// accounting (which moves with every dispatch): it does not herd.
     pub fn w_queue() -> f64 {
-        1.0
+        2.0
     }
-    /// vLLM starts preempting near full KV; past 90 % a replica takes no
-    /// work that another replica can take.
+    /// vLLM starts preempting near full KV: past 90 % a replica's
+    /// conversations lose their locality bonus and may move.
     pub fn kv_pressure() -> f64 {
         0.9
     }

@@ -354,14 +354,20 @@ pub fn pick_fleet(
             .find(|(h, _)| *h == id.id)
             .map_or(0.0, |&(_, d)| f64::from(d) / blocks)
             .min(1.0);
+        // A pressured replica loses its locality bonus: its conversations
+        // compete like new ones. (Ordering pressured replicas last, or
+        // penalising them, herded traffic onto the few unpressured ones
+        // between snapshots in the score_sweep measurements.)
+        let pressured = fresh && (kv >= f.kv_pressure || waiting >= f.queue_pressure);
+        let hit = if pressured { 0.0 } else { hit };
         cands.push(Candidate {
             index,
             id: id.id,
             score: f.w_prefix * hit - f.w_kv * kv - f.w_queue * queue_term,
-            pressured: fresh && (kv >= f.kv_pressure || waiting >= f.queue_pressure),
+            pressured,
             // Bounded load balances what this gateway dispatches; the
             // engines' own figures act through the score and the pressure
-            // tiers, so locality only yields at the pressure threshold.
+            // threshold, so locality only yields at the threshold.
             load: gw.prefill.saturating_add(gw.decode),
         });
     }
@@ -560,7 +566,6 @@ mod tests {
     use super::*;
     use crate::host::{MemoryMetrics, MemorySharedData};
     use serde_json::json;
-
 
     fn cfg() -> Config {
         Config::from_json(
@@ -809,19 +814,21 @@ mod tests {
             taken_at_ms: 1000,
             hosts: hosts
                 .iter()
-                .map(|&(addr, ready, kv, waiting, models)| crate::fleet::HostState {
-                    address: addr.into(),
-                    ready,
-                    draining: false,
-                    models: models.iter().map(|m| m.to_string()).collect(),
-                    kv_utilization: kv,
-                    waiting,
-                    running: 0,
-                    kv_capacity_tokens: Some(100_000),
-                    block_size: Some(16),
-                    scraped_at_ms: 1000 - age_ms,
-                    engine: None,
-                })
+                .map(
+                    |&(addr, ready, kv, waiting, models)| crate::fleet::HostState {
+                        address: addr.into(),
+                        ready,
+                        draining: false,
+                        models: models.iter().map(|m| m.to_string()).collect(),
+                        kv_utilization: kv,
+                        waiting,
+                        running: 0,
+                        kv_capacity_tokens: Some(100_000),
+                        block_size: Some(16),
+                        scraped_at_ms: 1000 - age_ms,
+                        engine: None,
+                    },
+                )
                 .collect(),
         };
         FleetView::new(snap, 5000)
@@ -830,7 +837,17 @@ mod tests {
     fn fleet_pick(v: &FleetView, f: &Facts, now: u64) -> Decision {
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
-        route(&cfg(), &store, &m, Ok(f), Some(FleetInput { view: v, now_ms: now }), 0)
+        route(
+            &cfg(),
+            &store,
+            &m,
+            Ok(f),
+            Some(FleetInput {
+                view: v,
+                now_ms: now,
+            }),
+            0,
+        )
     }
 
     #[test]
@@ -857,7 +874,13 @@ mod tests {
 
     #[test]
     fn stale_hosts_are_candidates_scored_on_gateway_load() {
-        let v = view(&[("10.0.0.1:80", false, 0.99, 50, &[]), ("10.0.0.2:80", false, 0.99, 50, &[])], 0);
+        let v = view(
+            &[
+                ("10.0.0.1:80", false, 0.99, 50, &[]),
+                ("10.0.0.2:80", false, 0.99, 50, &[]),
+            ],
+            0,
+        );
         let f = facts(&chat(json!([]), json!({})), Some("s"));
         // 5000 ms since ingest > staleAfterMs: readiness and pressure are unknown.
         let d = fleet_pick(&v, &f, 5000 + 2001);
@@ -873,25 +896,96 @@ mod tests {
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
         let doc = "shared document ".repeat(600);
-        let f = facts(&chat(json!([{"role":"user","content":doc}]), json!({})), None);
-        let calm = view(&[("10.0.0.1:80", true, 0.0, 0, &[]), ("10.0.0.2:80", true, 0.0, 0, &[])], 0);
-        let home = route(&c, &store, &m, Ok(&f), Some(FleetInput { view: &calm, now_ms: 5000 }), 0);
+        let f = facts(
+            &chat(json!([{"role":"user","content":doc}]), json!({})),
+            None,
+        );
+        let calm = view(
+            &[
+                ("10.0.0.1:80", true, 0.0, 0, &[]),
+                ("10.0.0.2:80", true, 0.0, 0, &[]),
+            ],
+            0,
+        );
+        let home = route(
+            &c,
+            &store,
+            &m,
+            Ok(&f),
+            Some(FleetInput {
+                view: &calm,
+                now_ms: 5000,
+            }),
+            0,
+        );
         let home_addr = home.targets[0].clone();
-        let other_addr = if home_addr == "10.0.0.1:80" { "10.0.0.2:80" } else { "10.0.0.1:80" };
+        let other_addr = if home_addr == "10.0.0.1:80" {
+            "10.0.0.2:80"
+        } else {
+            "10.0.0.1:80"
+        };
         release(&c, &store, &m, home.charge.unwrap());
         // Busy but below the thresholds (0.85 < 0.9, 20 < 32): it stays.
-        let busy = view(&[(&home_addr, true, 0.85, 20, &[]), (other_addr, true, 0.0, 0, &[])], 0);
-        let d = route(&c, &store, &m, Ok(&f), Some(FleetInput { view: &busy, now_ms: 5000 }), 0);
+        let busy = view(
+            &[
+                (&home_addr, true, 0.85, 20, &[]),
+                (other_addr, true, 0.0, 0, &[]),
+            ],
+            0,
+        );
+        let d = route(
+            &c,
+            &store,
+            &m,
+            Ok(&f),
+            Some(FleetInput {
+                view: &busy,
+                now_ms: 5000,
+            }),
+            0,
+        );
         assert_eq!(d.targets[0], home_addr, "{d:?}");
         release(&c, &store, &m, d.charge.unwrap());
         // Past the KV threshold: it moves.
-        let hot = view(&[(&home_addr, true, 0.95, 20, &[]), (other_addr, true, 0.0, 0, &[])], 0);
-        let d = route(&c, &store, &m, Ok(&f), Some(FleetInput { view: &hot, now_ms: 5000 }), 0);
+        let hot = view(
+            &[
+                (&home_addr, true, 0.95, 20, &[]),
+                (other_addr, true, 0.0, 0, &[]),
+            ],
+            0,
+        );
+        let d = route(
+            &c,
+            &store,
+            &m,
+            Ok(&f),
+            Some(FleetInput {
+                view: &hot,
+                now_ms: 5000,
+            }),
+            0,
+        );
         assert_eq!(d.targets[0], other_addr, "{d:?}");
         release(&c, &store, &m, d.charge.unwrap());
         // A new conversation avoids the busy replica even below the threshold.
-        let new = facts(&chat(json!([{"role":"user","content":"fresh question"}]), json!({})), None);
-        let d = route(&c, &store, &m, Ok(&new), Some(FleetInput { view: &busy, now_ms: 5000 }), 0);
+        let new = facts(
+            &chat(
+                json!([{"role":"user","content":"fresh question"}]),
+                json!({}),
+            ),
+            None,
+        );
+        let d = route(
+            &c,
+            &store,
+            &m,
+            Ok(&new),
+            Some(FleetInput {
+                view: &busy,
+                now_ms: 5000,
+            }),
+            0,
+        );
         assert_eq!(d.targets[0], other_addr);
     }
 
@@ -900,9 +994,26 @@ mod tests {
         let c = cfg();
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
-        let v = view(&[("10.0.0.1:80", false, 0.0, 0, &[]), ("10.0.0.2:80", true, 0.0, 0, &[]), ("10.0.0.3:80", false, 0.0, 0, &[])], 0);
+        let v = view(
+            &[
+                ("10.0.0.1:80", false, 0.0, 0, &[]),
+                ("10.0.0.2:80", true, 0.0, 0, &[]),
+                ("10.0.0.3:80", false, 0.0, 0, &[]),
+            ],
+            0,
+        );
         for t in 0..10 {
-            let d = route(&c, &store, &m, Err(Unparsed::NotInference), Some(FleetInput { view: &v, now_ms: 5000 }), t);
+            let d = route(
+                &c,
+                &store,
+                &m,
+                Err(Unparsed::NotInference),
+                Some(FleetInput {
+                    view: &v,
+                    now_ms: 5000,
+                }),
+                t,
+            );
             assert_eq!(d.targets[0], "10.0.0.2:80");
             assert!(!d.targets.iter().any(|t| t == "10.0.0.1:80"));
         }
@@ -920,5 +1031,64 @@ mod tests {
         assert_eq!(d.reason, Reason::Session);
         assert_eq!(d.charge, None);
         assert_eq!(m.counter(Counter::LoadUpdateFailed), 1);
+    }
+}
+
+#[cfg(test)]
+mod equivalence {
+    use super::*;
+
+    /// With zero weights and no pressure, the fleet pick is the foundation
+    /// pick: the scoring only ever reorders by what it knows.
+    #[test]
+    fn zero_weights_equal_foundation() {
+        let hosts: Vec<String> = (0..8)
+            .map(|i| format!("\"10.0.0.{}:8000\"", i + 1))
+            .collect();
+        let cfg = Config::from_json(format!(r#"{{"hosts":[{}],"fleet":{{"weights":{{"prefix":0,"kv":0,"queue":0}},"kvPressure":1,"queuePressure":1000000}}}}"#, hosts.join(",")).as_bytes()).unwrap();
+        let snap = crate::fleet::Snapshot {
+            version: 1,
+            seq: 1,
+            collector: "c".into(),
+            taken_at_ms: 0,
+            hosts: cfg
+                .hosts
+                .iter()
+                .map(|h| crate::fleet::HostState {
+                    address: h.addr.clone(),
+                    ready: true,
+                    draining: false,
+                    models: vec![],
+                    kv_utilization: 0.0,
+                    waiting: 0,
+                    running: 0,
+                    kv_capacity_tokens: None,
+                    block_size: None,
+                    scraped_at_ms: 0,
+                    engine: None,
+                })
+                .collect(),
+        };
+        let view = FleetView::new(snap, 0);
+        let mut table = LoadTable::default();
+        for k in 0..2000u64 {
+            let f = Facts {
+                endpoint: Endpoint::ChatCompletions,
+                model: String::new(),
+                affinity: Affinity::Prefix(k.wrapping_mul(0x9e3779b97f4a7c15)),
+                blocks: vec![],
+                input_tokens: 1000 + k % 7 * 3000,
+                output_tokens: 100,
+                stream: false,
+                non_text_parts: 0,
+            };
+            let a = pick_for(&cfg, &f, &table.loads_for(&cfg.hosts));
+            let b = pick_fleet(&cfg, &f, &view, &table, &[], 0);
+            assert_eq!(a.targets, b.targets, "request {k}");
+            table.add(a.charge.unwrap());
+            if k % 3 == 0 {
+                table.release(a.charge.unwrap());
+            }
+        }
     }
 }
