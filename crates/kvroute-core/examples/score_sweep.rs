@@ -407,7 +407,17 @@ fn main() {
     ];
     for (p, k, q, kvp, qp, quantum) in settings {
         let name = format!("fleet prefix={p} kv={k} queue={q}, pressure kv>={kvp} or waiting>={qp}, quantum {quantum}");
-        policies.push((name, Policy::Fleet { prefix: p, kv: k, queue: q, kvp, qp, quantum }));
+        policies.push((
+            name,
+            Policy::Fleet {
+                prefix: p,
+                kv: k,
+                queue: q,
+                kvp,
+                qp,
+                quantum,
+            },
+        ));
     }
     println!("| policy | prefix hit | TTFT p50 ms | TTFT p95 ms | mean KV spread |");
     println!("|---|---|---|---|---|");
