@@ -17,8 +17,24 @@ WBG_VERSION := $(shell awk '/^name = "wasm-bindgen"$$/{getline; gsub(/[^0-9.]/,"
 WBG     := $(TOOLS)/bin/wasm-bindgen-test-runner
 PYTEST_ARGS ?=
 
+# Packaging (make oci, docs/deploy.md): the Wasm filter as OCI image layouts in
+# both variants Istio and Envoy Gateway fetch, and the collector image, built
+# by oci/kvroute-oci (its own workspace, built into the shared target/).
+# Same source, same bytes: every input below comes from the checkout.
+OCI_OUT     := target/oci
+OCI_TOOL    := target/release/kvroute-oci
+OCI_VERSION := $(shell awk -F'"' '/^version = /{print $$2; exit}' Cargo.toml)
+OCI_SOURCE  := $(shell awk -F'"' '/^repository = /{print $$2; exit}' Cargo.toml)
+OCI_REVISION := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
+# The collector image: a static musl build for this machine's architecture.
+MUSL_TARGET := $(shell uname -m)-unknown-linux-musl
+OCI_ARCH    := $(if $(filter aarch64 arm64,$(shell uname -m)),arm64,amd64)
+COLLECTOR_STATIC := target/$(MUSL_TARGET)/release/kvroute-collector
+CRD_TOOLS   := $(TOOLS)/crd
+
 .PHONY: all build wasm collector tools targets venv wasm-bindgen test test-native test-wasm test-e2e \
-        lint fmt demo up bench clean
+        lint fmt demo up bench clean oci oci-tool oci-tools collector-static collector-image crd-tools
 
 all: build
 
@@ -45,7 +61,27 @@ $(WBG): Cargo.lock
 
 wasm-bindgen: $(WBG)
 
-tools: targets venv wasm-bindgen
+# skopeo and a registry (Debian's docker-registry) for the OCI round trip in
+# tests/e2e/test_oci.py; installed only when missing (CI runs as root).
+oci-tools:
+	@if ! command -v skopeo >/dev/null || ! command -v docker-registry >/dev/null; then \
+	  echo "installing skopeo and docker-registry (apt)"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or: sudo apt-get install -y skopeo docker-registry" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq skopeo docker-registry >/dev/null; \
+	fi
+
+# The CRD schemas (npm packages generated from the Istio, Gateway API and
+# Kubernetes schemas) and TypeScript, for tests/e2e/test_deploy_manifests.py.
+# Installed into .tools/crd from the pinned lockfile in tests/e2e/crd/.
+$(CRD_TOOLS)/.installed: tests/e2e/crd/package.json tests/e2e/crd/package-lock.json
+	@mkdir -p $(CRD_TOOLS)
+	cp tests/e2e/crd/package.json tests/e2e/crd/package-lock.json $(CRD_TOOLS)/
+	cd $(CRD_TOOLS) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+crd-tools: $(CRD_TOOLS)/.installed
+
+tools: targets venv wasm-bindgen oci-tools crd-tools
 
 ## --- build ----------------------------------------------------------------
 
@@ -58,17 +94,46 @@ wasm: targets
 collector:
 	$(CARGO) build --release -p kvroute-collector
 
+## --- packaging (docs/deploy.md) -------------------------------------------
+
+# The collector as one static (musl) binary: the content of its image.
+collector-static:
+	@rustup target list --installed | grep -qx $(MUSL_TARGET) || rustup target add $(MUSL_TARGET)
+	$(CARGO) build --release --locked --target $(MUSL_TARGET) -p kvroute-collector
+	@ls -l $(COLLECTOR_STATIC) | awk '{print "built $(COLLECTOR_STATIC): " $$5 " bytes"}'
+
+oci-tool:
+	$(CARGO) build --release --locked --manifest-path oci/kvroute-oci/Cargo.toml --target-dir target
+
+# target/oci/{kvroute-wasm,kvroute-compat,kvroute-collector}: OCI image
+# layouts, tagged $(OCI_VERSION); target/oci/build-info.json lists the digests.
+# Push with skopeo, e.g.:
+#   skopeo copy oci:target/oci/kvroute-wasm:$(OCI_VERSION) docker://REGISTRY/kvroute:$(OCI_VERSION)
+oci: wasm collector-static oci-tool
+	$(OCI_TOOL) --wasm $(WASM) --out $(OCI_OUT) --version $(OCI_VERSION) --revision $(OCI_REVISION) \
+	  --source $(OCI_SOURCE) --source-date-epoch $(SOURCE_DATE_EPOCH) \
+	  --collector $(COLLECTOR_STATIC) --collector-arch $(OCI_ARCH) > /dev/null
+
+# The collector image. `make oci` writes it daemonless as an OCI layout
+# (target/oci/kvroute-collector, the same image as the last stage of
+# oci/collector/Dockerfile); with a container engine, the Dockerfile builds it too:
+#   docker build -f oci/collector/Dockerfile -t kvroute-collector .
+collector-image: oci
+
 ## --- tests ----------------------------------------------------------------
 
-test: tools lint test-native test-wasm build test-e2e
+test: tools lint test-native test-wasm build oci test-e2e
 
 lint: targets
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p kvroute --target wasm32-wasip1 -- -D warnings
+	$(CARGO) fmt --manifest-path oci/kvroute-oci/Cargo.toml --check
+	$(CARGO) clippy --manifest-path oci/kvroute-oci/Cargo.toml --target-dir target --all-targets -- -D warnings
 
 test-native:
 	$(CARGO) test --workspace
+	$(CARGO) test --release --locked --manifest-path oci/kvroute-oci/Cargo.toml --target-dir target
 
 # The golden vectors of kvroute-core, compiled to wasm32 and run under Node:
 # the same expected lines as natively, so hashes and picks are bit-identical.
@@ -76,8 +141,10 @@ test-wasm: targets $(WBG)
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=$(abspath $(WBG)) \
 	  $(CARGO) test -p kvroute-core --target wasm32-unknown-unknown --test vectors
 
-test-e2e: venv build
+test-e2e: venv build oci oci-tools crd-tools
 	KVROUTE_REQUIRE_WASM=1 KVROUTE_REQUIRE_COLLECTOR=1 KVROUTE_COLLECTOR=$(abspath $(COLLECTOR)) \
+	  KVROUTE_REQUIRE_DEPLOY=1 KVROUTE_OCI_TOOL=$(abspath $(OCI_TOOL)) KVROUTE_OCI_DIR=$(abspath $(OCI_OUT)) \
+	  KVROUTE_CRD_TOOLS=$(abspath $(CRD_TOOLS)) \
 	  $(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
 
 fmt:
