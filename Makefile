@@ -34,7 +34,7 @@ COLLECTOR_STATIC := target/$(MUSL_TARGET)/release/kvroute-collector
 CRD_TOOLS   := $(TOOLS)/crd
 
 .PHONY: all build wasm collector tools targets venv wasm-bindgen test test-native test-wasm test-e2e \
-        lint fmt demo up bench clean oci oci-tool oci-tools collector-static collector-image crd-tools
+        lint fmt demo up bench bench-overhead clean oci oci-tool oci-tools collector-static collector-image crd-tools
 
 all: build
 
@@ -160,6 +160,14 @@ up: venv build
 
 bench:
 	$(CARGO) bench -p kvroute-core --bench decide
+
+# Gateway overhead (docs/benchmarks.md#gateway-overhead): plain Envoy vs
+# Envoy + a no-op Wasm filter vs Envoy + kvroute, wrk against null engines.
+# Installs wrk (apt, as root) if missing; a few minutes. BENCH_ARGS=--quick
+# for a tiny run that leaves docs/ alone.
+BENCH_ARGS ?= --write-docs
+bench-overhead: venv targets
+	$(PY) scripts/bench_overhead.py $(BENCH_ARGS)
 
 clean:
 	$(CARGO) clean
