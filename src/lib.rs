@@ -24,7 +24,7 @@ use kvroute_core::decide::{self, Decision, FleetInput, Unparsed};
 use kvroute_core::fleet::FleetView;
 use kvroute_core::host::{Counter, Gauge, Metrics};
 use kvroute_core::ingest::{self, FleetCache, Outcome, Refresh, INGEST_PATH};
-use kvroute_core::load::Charge;
+use kvroute_core::load::{self, Charge};
 use kvroute_core::usage::{self, Tracker};
 use kvroute_core::{Config, Endpoint};
 use proxy_wasm::hostcalls;
@@ -60,7 +60,7 @@ fn now_ms() -> u64 {
 impl Shared {
     /// The fleet snapshot, decoded again only when a newer one was stored;
     /// keeps the fleet gauges current.
-    fn fleet(&self, id: u32, now: u64) -> Option<Rc<FleetView>> {
+    fn fleet(&self, id: u32, now: u64, publish: bool) -> Option<Rc<FleetView>> {
         let Ok(mut cache) = self.fleet.try_borrow_mut() else {
             return None;
         };
@@ -78,14 +78,35 @@ impl Shared {
             (Refresh::Failed, _) => m.count(Counter::SnapshotDecodeFailed, 1),
             _ => {}
         }
-        if let Some(v) = &view {
+        // On the tick, and whenever a new snapshot comes into use.
+        if let (true, Some(v)) = (publish || refresh == Refresh::Decoded, &view) {
             m.gauge(Gauge::SnapshotAgeMs, v.age_ms(now));
         }
         view
     }
+
+    /// Gauges are published on the tick, not per request: each is a host
+    /// call, and the request path keeps its host calls few.
+    fn publish_gauges(&self) {
+        let (prefill, decode) = load::read(&HostSharedData, &self.config.load_key).totals();
+        self.metrics.gauge(Gauge::InflightPrefillTokens, prefill);
+        self.metrics.gauge(Gauge::InflightDecodeTokens, decode);
+    }
 }
 
-/// How often a router refreshes its snapshot and gauges when idle.
+/// The request path's view of the metrics: counters only (see
+/// [`Shared::publish_gauges`]).
+struct Counters<'a>(&'a HostMetrics);
+
+impl Metrics for Counters<'_> {
+    fn count(&self, c: Counter, n: u64) {
+        self.0.count(c, n);
+    }
+
+    fn gauge(&self, _g: Gauge, _v: u64) {}
+}
+
+/// How often a router refreshes its snapshot and publishes its gauges.
 const TICK: Duration = Duration::from_secs(1);
 
 fn json_reply(status: u32, body: Option<&str>) {
@@ -179,7 +200,10 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         if let Some(shared) = &self.shared {
-            shared.fleet(0, now_ms());
+            if shared.config.role == Role::Router {
+                shared.fleet(0, now_ms(), true);
+                shared.publish_gauges();
+            }
         }
     }
 }
@@ -210,12 +234,12 @@ impl Stream {
     /// Decides once, sets the destination header, and returns the action.
     fn decide(&mut self, facts: Result<decide::Facts, Unparsed>) -> Action {
         let now = now_ms();
-        let view = self.shared.fleet(self.id, now);
+        let view = self.shared.fleet(self.id, now, false);
         let cfg = &self.shared.config;
         let d = decide::route(
             cfg,
             &HostSharedData,
-            &self.shared.metrics,
+            &Counters(&self.shared.metrics),
             facts.as_ref().map_err(|u| *u),
             view.as_deref().map(|view| FleetInput { view, now_ms: now }),
             u64::from(self.id),
@@ -290,7 +314,7 @@ impl Stream {
         decide::release(
             &self.shared.config,
             &HostSharedData,
-            &self.shared.metrics,
+            &Counters(&self.shared.metrics),
             now,
         );
         self.pending = if prefill_only {
