@@ -2,9 +2,20 @@
 """kvroute demo: bring the local stack up, drive a short workload, report, stop.
 
     .venv/bin/python scripts/demo.py          (what `make demo` runs)
+    .venv/bin/python scripts/demo.py --tour   (the feature tour below, on scripted replicas)
     .venv/bin/python scripts/demo.py --up     (what `make up` runs: scripts/up.py)
 
-Stack: 4 simulated replicas on 127.0.0.1:8001-8004, Envoy with
+By default (about a minute): four simulated engines (kvroute-sim --mode
+engine on 127.0.0.1:8001-8004: paged KV cache with prefix caching, continuous
+batching, a Llama-3.1-8B-on-H100 step-time model, 20x faster than real time),
+then the same small workload (a window of the Mooncake trace in
+../shared/traces, or shared-prefix groups if it is not there) through Envoy
+round robin and through Envoy + kvroute + kvroute-collector on the local
+stack's ports, one after the other, each on a fresh fleet; then a short
+comparison: time to first token, prefix-cache hit rate from the engines'
+own counters, KV spread. It is scripts/bench.py (`make bench`) in small.
+
+The tour (--tour): 4 scripted replicas on 127.0.0.1:8001-8004, Envoy with
 envoy-config/envoy.yaml (gateway 127.0.0.1:10000, admin 127.0.0.1:9901,
 ingest 127.0.0.1:10001) and the kvroute filter from
 target/wasm32-wasip1/release/kvroute.wasm, plus kvroute-collector (metrics on
@@ -28,7 +39,9 @@ then the kvroute_* metrics from Envoy's admin endpoint, fleet ones included.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -222,8 +235,41 @@ def show_metrics(stack: harness.Stack, collector: harness.Collector | None = Non
                 print(f"    {name:<70} {fmt(own[name])}")
 
 
+def compare(keep: bool) -> int:
+    """Round robin vs kvroute on the simulated fleet (scripts/bench.py in small)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench  # noqa: PLC0415
+
+    out = Path(tempfile.mkdtemp(prefix="kvroute-demo-"))
+    if bench.DEFAULT_TRACE.is_file():
+        workload = ["--workload", "trace", "--window", "0:60", "--rate", "1"]
+    else:
+        workload = ["--workload", "groups", "--workload-arg=--group-requests=300", "--workload-arg=--group-rate=5"]
+    print("kvroute demo: the same workload through Envoy round robin, then Envoy + kvroute, "
+          "on four simulated engines (local stack ports)")
+    rc = bench.main(["--routers", "envoy-round-robin,kvroute", "--local-stack", "--time-scale", "20",
+                     "--out", str(out), *workload, *(["--keep"] if keep else [])])
+    if rc == 0:
+        try:
+            report = json.loads((out / "report.json").read_text())
+            runs = {r["router"]: r for r in report["runs"]}
+            rr, kv = runs.get("envoy-round-robin"), runs.get("kvroute")
+            if rr and kv:
+                print(f"\nkvroute vs round robin: prefix-cache hit rate {100 * kv['hit_rate']:.1f} % vs "
+                      f"{100 * rr['hit_rate']:.1f} %, TTFT p50 {kv['ttft_ms']['p50']:.0f} vs "
+                      f"{rr['ttft_ms']['p50']:.0f} ms, p99 {kv['ttft_ms']['p99']:.0f} vs {rr['ttft_ms']['p99']:.0f} ms "
+                      "(modelled time)")
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"demo: cannot read the report: {exc}", file=sys.stderr)
+            rc = 1
+        print(f"report and plots: {out}/report.md, ttft-cdf.svg, kv-utilisation.svg")
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvroute demo on the local stack")
+    parser.add_argument("--tour", action="store_true",
+                        help="the feature tour on scripted replicas (stickiness, spill-over, fleet state)")
     parser.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads (default 2)")
     parser.add_argument("--keep-logs", action="store_true", help="keep Envoy/upstream logs and config")
     parser.add_argument("--up", action="store_true",
@@ -236,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return up_main(["--concurrency", str(args.concurrency), *rest])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if not args.tour:
+        return compare(args.keep_logs)
 
     if not harness.wasm_available():
         print(f"demo: {harness.WASM_MISSING_REASON}", file=sys.stderr)

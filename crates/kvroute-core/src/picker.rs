@@ -20,7 +20,7 @@
 //! while
 //!
 //! ```text
-//! load[h] + c <= (1 + epsilon) * (sum(load) + c) / n
+//! load[h] <= (1 + epsilon) * (sum(load) + c) / n
 //! ```
 //!
 //! where loads are the gateway's in-flight token estimates. The primary is the
@@ -29,11 +29,19 @@
 //! next preference (not to a random host), which keeps a hot key's overflow
 //! on a stable small set of hosts.
 //!
-//! Two clamps, because costs are tokens, not unit requests:
-//! - an idle host (load 0) always admits: one request cannot be split, and a
-//!   long prompt on an empty fleet would otherwise fit nowhere;
-//! - if no host admits (every host is busy and the request is large), the
-//!   least-loaded host takes it, ties broken by preference order.
+//! The paper places unit balls and tests `load[h] + 1` against the bound.
+//! Costs here are tokens and heavy-tailed (a 100k-token prompt next to
+//! 100-token ones), so the request's own cost is left out of the host side:
+//! with it, a request larger than about `(1 + epsilon) / n` of everything in
+//! flight fits nowhere and always spills, and those long prompts are exactly
+//! the ones whose cache reuse matters most. On the Mooncake trace (window
+//! 600..900 s, 4 simulated engines, `make bench`), the old test spilled 821
+//! of 1216 decisions and reached a 5.2 % prefix-cache hit rate; this one
+//! spills 50 and reaches 19.6 %, with TTFT p50 628 ms instead of 1100 ms.
+//! The bound still holds in the form that matters: after a placement no
+//! host carries more than `(1 + epsilon)` times the average plus one
+//! request. The least-loaded host is never above the average, so some host
+//! is always admissible.
 //!
 //! Fallbacks are the next hosts in preference order after the primary,
 //! admissible ones first: Envoy's retries walk them if the primary fails.
@@ -154,13 +162,11 @@ pub fn pick(hosts: &HostSet, key: u64, loads: &[u64], cost: u64, bounds: Bounds)
         .map(|i| load_of(loads, i))
         .fold(0, u64::saturating_add);
     let cap = (1.0 + bounds.epsilon) * (total.saturating_add(cost) as f64) / hosts.len() as f64;
-    let admissible = |i: usize| {
-        let l = load_of(loads, i);
-        l == 0 || (l.saturating_add(cost) as f64) <= cap
-    };
+    let admissible = |i: usize| (load_of(loads, i) as f64) <= cap;
     let primary = match order.iter().copied().find(|&i| admissible(i)) {
         Some(i) => i,
-        // Nobody admits: least loaded, earliest in preference order on ties.
+        // Unreachable in arithmetic (the least-loaded host is at or below the
+        // average), kept for float rounding at extreme loads.
         None => order
             .iter()
             .copied()
@@ -251,7 +257,9 @@ mod tests {
             used[1], order[1],
             "first spill goes to the second preference"
         );
-        assert!(loads.iter().all(|&l| l == 10_000), "{loads:?}");
+        // No host above (1 + eps) x the average plus one request.
+        assert!(loads.iter().all(|&l| l <= 15_000), "{loads:?}");
+        assert_eq!(loads.iter().sum::<u64>(), 40_000);
     }
 
     #[test]
@@ -323,13 +331,16 @@ mod tests {
                 let cap = (1.0 + eps) * (total + cost) as f64 / n as f64;
                 let l = loads[p.primary];
                 let min = *loads.iter().min().unwrap();
-                // Either the bound holds, or the host was idle, or nobody admitted and it is least loaded.
-                prop_assert!(l == 0 || (l + cost) as f64 <= cap || l == min);
-                // No admissible host was skipped in preference order.
+                // The bound holds before the placement (some host always admits)...
+                prop_assert!(l as f64 <= cap, "load {} over cap {} (least {})", l, cap, min);
+                // ...and no admissible host was skipped in preference order.
                 for &i in preference_order(&h, key).iter().take_while(|&&i| i != p.primary) {
-                    prop_assert!(!(loads[i] == 0 || (loads[i] + cost) as f64 <= cap));
+                    prop_assert!(loads[i] as f64 > cap);
                 }
                 loads[p.primary] += cost;
+                // After it: at most (1 + eps) x the average plus one request.
+                let avg = loads.iter().sum::<u64>() as f64 / n as f64;
+                prop_assert!(loads[p.primary] as f64 <= (1.0 + eps) * avg + cost as f64 + 1e-6);
             }
         }
 

@@ -99,12 +99,10 @@ pub fn pick_scored(
     let load = |k: usize| cands.get(k).map_or(0, |c| c.load);
     let total = cands.iter().map(|c| c.load).fold(0u64, u64::saturating_add);
     let cap = (1.0 + bounds.epsilon) * (total.saturating_add(cost) as f64) / cands.len() as f64;
-    // Same clamps as picker::pick: an idle replica always admits; if none
-    // admits, the least loaded (earliest in order on ties) takes it.
-    let admissible = |k: usize| {
-        let l = load(k);
-        l == 0 || (l.saturating_add(cost) as f64) <= cap
-    };
+    // The admission test of picker::pick (the request's own cost only in
+    // the average; see there why). The least-loaded fallback only covers
+    // float rounding.
+    let admissible = |k: usize| (load(k) as f64) <= cap;
     let primary = ord
         .iter()
         .copied()

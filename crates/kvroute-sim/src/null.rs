@@ -17,24 +17,17 @@
 //! `prompt_tokens` is the body size divided by four, a rough token count;
 //! `completion_tokens` is always 1.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
+use crate::http::{json_string, Conn, Head, IDLE_TIMEOUT};
+
 /// The model every engine serves unless told otherwise.
 pub const DEFAULT_MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
-
-/// Largest request head (request line plus headers) accepted.
-const MAX_HEAD_BYTES: usize = 64 * 1024;
-/// Most headers parsed in one request head.
-const MAX_HEADERS: usize = 64;
-/// A connection idle for this long between requests is closed.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
-/// Longest line in a chunked body (size line or trailer).
-const MAX_LINE_BYTES: usize = 8 * 1024;
 
 /// Where and what the null engines serve.
 #[derive(Debug, Clone)]
@@ -186,197 +179,6 @@ fn accept_loop(listener: &TcpListener, engine: &Arc<Engine>) {
     }
 }
 
-/// One request head, as far as the null engine cares.
-struct Head {
-    method: String,
-    path: String,
-    content_length: Option<u64>,
-    chunked: bool,
-    keep_alive: bool,
-}
-
-/// A connection with its own read buffer (requests may be pipelined).
-struct Conn {
-    stream: TcpStream,
-    buf: Vec<u8>,
-    pos: usize,
-    end: usize,
-}
-
-impl Conn {
-    fn new(stream: TcpStream) -> Self {
-        Self {
-            stream,
-            buf: vec![0; 16 * 1024],
-            pos: 0,
-            end: 0,
-        }
-    }
-
-    fn buffered(&self) -> &[u8] {
-        self.buf.get(self.pos..self.end).unwrap_or_default()
-    }
-
-    /// Reads more bytes after the buffered ones; Ok(0) at end of stream.
-    fn fill(&mut self) -> io::Result<usize> {
-        if self.pos > 0 {
-            self.buf.copy_within(self.pos..self.end, 0);
-            self.end -= self.pos;
-            self.pos = 0;
-        }
-        if self.end == self.buf.len() {
-            let grown = (self.buf.len() * 2).min(MAX_HEAD_BYTES + MAX_LINE_BYTES);
-            if grown <= self.buf.len() {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "line too long"));
-            }
-            self.buf.resize(grown, 0);
-        }
-        let spare = self.buf.get_mut(self.end..).unwrap_or_default();
-        let n = self.stream.read(spare)?;
-        self.end += n;
-        Ok(n)
-    }
-
-    /// The next request head; None when the client closed cleanly between
-    /// requests.
-    fn head(&mut self) -> io::Result<Option<Head>> {
-        loop {
-            if self.pos < self.end {
-                let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-                let mut req = httparse::Request::new(&mut headers);
-                match req.parse(self.buffered()) {
-                    Ok(httparse::Status::Complete(used)) => {
-                        let head = to_head(&req)?;
-                        self.pos += used;
-                        return Ok(Some(head));
-                    }
-                    Ok(httparse::Status::Partial) => {
-                        if self.end - self.pos > MAX_HEAD_BYTES {
-                            return Err(io::Error::new(
-                                io::ErrorKind::InvalidData,
-                                "request head too large",
-                            ));
-                        }
-                    }
-                    Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
-                }
-            }
-            if self.fill()? == 0 {
-                return if self.pos == self.end {
-                    Ok(None)
-                } else {
-                    Err(io::ErrorKind::UnexpectedEof.into())
-                };
-            }
-        }
-    }
-
-    /// Reads and drops `n` body bytes.
-    fn skip(&mut self, mut n: u64) -> io::Result<()> {
-        while n > 0 {
-            if self.pos == self.end {
-                self.pos = 0;
-                self.end = 0;
-                let cap = self.buf.len();
-                let want = usize::try_from(n).unwrap_or(cap).min(cap);
-                let dst = self.buf.get_mut(..want).unwrap_or_default();
-                let got = self.stream.read(dst)?;
-                if got == 0 {
-                    return Err(io::ErrorKind::UnexpectedEof.into());
-                }
-                self.end = got;
-            }
-            let avail = (self.end - self.pos) as u64;
-            let take = avail.min(n);
-            // take <= avail, which fits in usize.
-            self.pos += usize::try_from(take).unwrap_or(0);
-            n -= take;
-        }
-        Ok(())
-    }
-
-    /// One CRLF- (or LF-) terminated line, without its terminator.
-    fn line(&mut self) -> io::Result<Vec<u8>> {
-        loop {
-            if let Some(i) = self.buffered().iter().position(|&b| b == b'\n') {
-                let raw = self.buffered().get(..i).unwrap_or_default();
-                let line = raw.strip_suffix(b"\r").unwrap_or(raw).to_vec();
-                self.pos += i + 1;
-                return Ok(line);
-            }
-            if self.end - self.pos > MAX_LINE_BYTES {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "line too long"));
-            }
-            if self.fill()? == 0 {
-                return Err(io::ErrorKind::UnexpectedEof.into());
-            }
-        }
-    }
-
-    /// Reads and drops a chunked body (trailers included); returns its size.
-    fn skip_chunked(&mut self) -> io::Result<u64> {
-        let mut total = 0u64;
-        loop {
-            let line = self.line()?;
-            let size_part = line.split(|&b| b == b';').next().unwrap_or_default();
-            let text = std::str::from_utf8(size_part)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-            let size = u64::from_str_radix(text.trim(), 16)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-            if size == 0 {
-                // Trailers, up to the empty line.
-                while !self.line()?.is_empty() {}
-                return Ok(total);
-            }
-            self.skip(size)?;
-            total = total.saturating_add(size);
-            if !self.line()?.is_empty() {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "chunk not followed by CRLF",
-                ));
-            }
-        }
-    }
-}
-
-fn to_head(req: &httparse::Request<'_, '_>) -> io::Result<Head> {
-    let bad = |m: &str| io::Error::new(io::ErrorKind::InvalidData, m.to_owned());
-    let mut head = Head {
-        method: req.method.unwrap_or_default().to_owned(),
-        path: req.path.unwrap_or_default().to_owned(),
-        content_length: None,
-        chunked: false,
-        // HTTP/1.1 defaults to keep-alive, 1.0 to close.
-        keep_alive: req.version == Some(1),
-    };
-    for h in req.headers.iter() {
-        let value = std::str::from_utf8(h.value).map_err(|_| bad("header not UTF-8"))?;
-        if h.name.eq_ignore_ascii_case("content-length") {
-            let n = value
-                .trim()
-                .parse::<u64>()
-                .map_err(|_| bad("bad content-length"))?;
-            head.content_length = Some(n);
-        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
-            head.chunked = value
-                .rsplit(',')
-                .next()
-                .is_some_and(|v| v.trim().eq_ignore_ascii_case("chunked"));
-        } else if h.name.eq_ignore_ascii_case("connection") {
-            for token in value.split(',') {
-                let token = token.trim();
-                if token.eq_ignore_ascii_case("close") {
-                    head.keep_alive = false;
-                } else if token.eq_ignore_ascii_case("keep-alive") {
-                    head.keep_alive = true;
-                }
-            }
-        }
-    }
-    Ok(head)
-}
-
 fn serve(stream: TcpStream, engine: &Engine) -> io::Result<()> {
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(IDLE_TIMEOUT))?;
@@ -491,26 +293,6 @@ fn metrics(engine: &Engine) -> String {
          # TYPE vllm:request_success_total counter\n\
          vllm:request_success_total{{{m},finished_reason=\"stop\"}} {served}.0\n"
     )
-}
-
-/// `s` as a JSON string literal (also valid as a Prometheus label value
-/// for the names used here).
-fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            c if (c as u32) < 0x20 => {
-                let _ = std::fmt::Write::write_fmt(&mut out, format_args!("\\u{:04x}", c as u32));
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 #[cfg(test)]

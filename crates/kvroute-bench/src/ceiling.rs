@@ -1,0 +1,173 @@
+//! Hit-rate ceilings: what a perfect router could get on the same requests.
+//!
+//! Both replay the requests in the order they were sent, against one cache
+//! of 16-token blocks hashed exactly as the engines hash them:
+//!
+//! - **unbounded**: one engine with infinite KV. Nothing can beat it: it
+//!   also sees every block, prompt and answer, the moment a request is sent.
+//! - **fleet LRU**: one LRU cache holding the fleet's total KV capacity in
+//!   blocks. A fleet whose caches are partitioned across replicas cannot
+//!   reasonably beat it; a router's hit rate is reported as a fraction of it.
+//!
+//! A request's hit is the leading run of its prompt blocks already cached,
+//! under the engines' own rule (at least one prompt token is computed).
+//! Its prompt and answer blocks are then cached (and refreshed in LRU order).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use serde::{Deserialize, Serialize};
+
+/// One request as the ceilings see it.
+#[derive(Debug, Clone)]
+pub struct Blocks {
+    /// Chained hashes of the full blocks of prompt + answer.
+    pub hashes: Vec<u64>,
+    /// How many of them lie wholly inside the prompt.
+    pub prompt_blocks: usize,
+    pub prompt_tokens: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Ceilings {
+    /// Prompt tokens of the requests counted.
+    pub prompt_tokens: u64,
+    pub unbounded_hit_rate: f64,
+    pub lru_hit_rate: f64,
+    /// Capacity of the LRU, blocks (the fleet's total).
+    pub lru_blocks: u64,
+}
+
+/// An LRU set of block hashes.
+struct Lru {
+    capacity: usize,
+    tick: u64,
+    at: HashMap<u64, u64>,
+    order: BTreeMap<u64, u64>,
+}
+
+impl Lru {
+    fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            tick: 0,
+            at: HashMap::new(),
+            order: BTreeMap::new(),
+        }
+    }
+
+    fn contains(&self, h: u64) -> bool {
+        self.at.contains_key(&h)
+    }
+
+    fn touch(&mut self, h: u64) {
+        if self.capacity == 0 {
+            return;
+        }
+        self.tick += 1;
+        if let Some(old) = self.at.insert(h, self.tick) {
+            self.order.remove(&old);
+        }
+        self.order.insert(self.tick, h);
+        while self.at.len() > self.capacity {
+            let Some((_, victim)) = self.order.pop_first() else {
+                break;
+            };
+            self.at.remove(&victim);
+        }
+    }
+}
+
+/// Leading blocks of `prompt` found by `has`.
+fn leading(prompt: &[u64], has: impl Fn(u64) -> bool) -> usize {
+    prompt.iter().take_while(|h| has(**h)).count()
+}
+
+/// Both ceilings for `requests` in send order, with a fleet of
+/// `fleet_blocks` blocks in all.
+pub fn ceilings<'a>(requests: impl IntoIterator<Item = &'a Blocks>, fleet_blocks: u64) -> Ceilings {
+    let block_tokens = kvroute_sim::engine::BLOCK_TOKENS as u64;
+    let mut seen: HashSet<u64> = HashSet::new();
+    let mut lru = Lru::new(usize::try_from(fleet_blocks).unwrap_or(usize::MAX));
+    let (mut queries, mut unbounded, mut bounded) = (0u64, 0u64, 0u64);
+    for r in requests {
+        let prompt = r
+            .hashes
+            .get(..r.prompt_blocks.min(r.hashes.len()))
+            .unwrap_or(&[]);
+        let hit = |matched: usize| {
+            kvroute_sim::engine::cacheable_hit_blocks(
+                usize::try_from(r.prompt_tokens).unwrap_or(usize::MAX),
+                matched,
+            ) as u64
+                * block_tokens
+        };
+        queries += r.prompt_tokens;
+        unbounded += hit(leading(prompt, |h| seen.contains(&h)));
+        bounded += hit(leading(prompt, |h| lru.contains(h)));
+        for &h in &r.hashes {
+            seen.insert(h);
+            lru.touch(h);
+        }
+    }
+    let rate = |hits: u64| {
+        if queries == 0 {
+            0.0
+        } else {
+            hits as f64 / queries as f64
+        }
+    };
+    Ceilings {
+        prompt_tokens: queries,
+        unbounded_hit_rate: rate(unbounded),
+        lru_hit_rate: rate(bounded),
+        lru_blocks: fleet_blocks,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(hashes: &[u64], prompt_blocks: usize) -> Blocks {
+        Blocks {
+            hashes: hashes.to_vec(),
+            prompt_blocks,
+            prompt_tokens: prompt_blocks as u64 * 16 + 5,
+        }
+    }
+
+    #[test]
+    fn repeats_hit_and_lru_forgets() {
+        let rs = [
+            req(&[1, 2, 3], 3),
+            req(&[1, 2, 3], 3),
+            req(&[4, 5, 6], 3),
+            req(&[1, 2, 3], 3),
+        ];
+        let c = ceilings(&rs, 1000);
+        // Second and fourth requests hit 3 blocks each (48 of 53 tokens).
+        assert_eq!(c.prompt_tokens, 4 * 53);
+        assert!((c.unbounded_hit_rate - 96.0 / 212.0).abs() < 1e-12);
+        assert_eq!(c.lru_hit_rate, c.unbounded_hit_rate);
+        // A cache of 3 blocks forgets 1,2,3 when 4,5,6 arrive.
+        let small = ceilings(&rs, 3);
+        assert!((small.lru_hit_rate - 48.0 / 212.0).abs() < 1e-12);
+        assert!(small.lru_hit_rate <= small.unbounded_hit_rate);
+    }
+
+    #[test]
+    fn answers_are_cached_for_the_next_turn_and_one_token_is_computed() {
+        // Turn 2's prompt is turn 1's prompt + answer (blocks 1,2,3,4).
+        let rs = [
+            req(&[1, 2, 3, 4], 2),
+            Blocks {
+                hashes: vec![1, 2, 3, 4],
+                prompt_blocks: 4,
+                prompt_tokens: 64,
+            },
+        ];
+        let c = ceilings(&rs, 100);
+        // 64-token prompt fully cached: 48 tokens counted (the last block recomputed).
+        assert!((c.unbounded_hit_rate - 48.0 / (37.0 + 64.0)).abs() < 1e-12);
+    }
+}

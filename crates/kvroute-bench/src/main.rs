@@ -1,0 +1,367 @@
+//! `kvroute-bench`: replay a workload through one router, or build the
+//! comparison report from several runs. See `scripts/bench.py` (`make bench`)
+//! for the whole comparison.
+//!
+//! ```text
+//! kvroute-bench describe --trace T --window 0:300 --rate 2
+//! kvroute-bench replay --router kvroute --target http://127.0.0.1:10000 \
+//!     --engines http://127.0.0.1:8001,http://127.0.0.1:8002 --time-scale 10 \
+//!     --trace T --window 0:300 --rate 2 --out runs/kvroute.json
+//! kvroute-bench report --out bench/results --check runs/*.json
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use kvroute_bench::replay::{self, Options};
+use kvroute_bench::report::{self, Report};
+use kvroute_bench::summary::RunSummary;
+use kvroute_bench::workload::{
+    self, GroupOptions, SessionOptions, TraceKey, TraceOptions, Workload,
+};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvroute-bench",
+    version,
+    about = "Routing-quality benchmark on the simulated fleet"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print what a workload holds, without sending anything.
+    Describe(WorkloadArgs),
+    /// Replay a workload through one router; write its run summary (JSON).
+    Replay(ReplayArgs),
+    /// Build report.json, report.md and the SVG plots from run summaries.
+    Report(ReportArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Kind {
+    /// A Mooncake-format trace (--trace).
+    Trace,
+    /// Generated multi-turn chat sessions.
+    Sessions,
+    /// Generated shared-prefix groups.
+    Groups,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum KeyArg {
+    None,
+    FirstBlock,
+}
+
+#[derive(Debug, Args)]
+struct WorkloadArgs {
+    #[arg(long, value_enum, default_value = "trace")]
+    workload: Kind,
+    /// Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length, hash_ids).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Trace window, seconds of trace time: START:END.
+    #[arg(long, default_value = "0:inf", value_parser = parse_window)]
+    window: (f64, f64),
+    /// Arrival-rate multiplier for the trace (2: twice as fast).
+    #[arg(long, default_value_t = 1.0)]
+    rate: f64,
+    /// At most this many trace requests.
+    #[arg(long)]
+    max_requests: Option<usize>,
+    /// Session key of trace requests: none, or the first hash id (requests opening with the same block share a key).
+    #[arg(long, value_enum, default_value = "first-block")]
+    trace_key: KeyArg,
+    /// The served model's context in tokens: longer trace prompts are cut to fit (0: no limit).
+    #[arg(long, default_value_t = 131_072)]
+    max_context: usize,
+    /// Seed of the generators and of the pseudo-text.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    // Sessions.
+    #[arg(long, default_value_t = SessionOptions::default().sessions)]
+    sessions: usize,
+    /// New sessions per second.
+    #[arg(long, default_value_t = SessionOptions::default().rate)]
+    session_rate: f64,
+    #[arg(long, default_value_t = SessionOptions::default().system_prompts)]
+    system_prompts: usize,
+    #[arg(long, default_value_t = SessionOptions::default().system_tokens)]
+    system_tokens: usize,
+    #[arg(long, default_value_t = SessionOptions::default().mean_turns)]
+    turns: f64,
+    #[arg(long, default_value_t = SessionOptions::default().user_tokens)]
+    user_tokens: f64,
+    #[arg(long, default_value_t = SessionOptions::default().output_tokens)]
+    output_tokens: f64,
+    #[arg(long, default_value_t = SessionOptions::default().think_s)]
+    think_s: f64,
+    // Groups.
+    #[arg(long, default_value_t = GroupOptions::default().groups)]
+    groups: usize,
+    #[arg(long, default_value_t = GroupOptions::default().users)]
+    users: usize,
+    #[arg(long, default_value_t = GroupOptions::default().prefix_tokens)]
+    prefix_tokens: usize,
+    #[arg(long, default_value_t = GroupOptions::default().question_tokens)]
+    question_tokens: f64,
+    #[arg(long, default_value_t = GroupOptions::default().requests)]
+    group_requests: usize,
+    /// Group requests per second.
+    #[arg(long, default_value_t = GroupOptions::default().rate)]
+    group_rate: f64,
+}
+
+fn parse_window(s: &str) -> Result<(f64, f64), String> {
+    let (a, b) = s
+        .split_once(':')
+        .ok_or("expected START:END in seconds, e.g. 0:300")?;
+    let start: f64 = a
+        .trim()
+        .parse()
+        .map_err(|_| format!("window start {a:?} is not a number"))?;
+    let end: f64 = b
+        .trim()
+        .parse()
+        .map_err(|_| format!("window end {b:?} is not a number"))?;
+    if !(start >= 0.0 && end > start) {
+        return Err(format!(
+            "window {start}:{end} must satisfy 0 <= START < END"
+        ));
+    }
+    Ok((start, end))
+}
+
+impl WorkloadArgs {
+    fn build(&self) -> Result<Workload, String> {
+        match self.workload {
+            Kind::Trace => {
+                let path = self
+                    .trace
+                    .as_ref()
+                    .ok_or("--workload trace needs --trace FILE")?;
+                workload::from_mooncake(
+                    path,
+                    &TraceOptions {
+                        start_s: self.window.0,
+                        end_s: self.window.1,
+                        rate: self.rate,
+                        max_requests: self.max_requests,
+                        max_context: self.max_context,
+                        key: match self.trace_key {
+                            KeyArg::None => TraceKey::None,
+                            KeyArg::FirstBlock => TraceKey::FirstBlock,
+                        },
+                    },
+                )
+                .map_err(|e| e.to_string())
+            }
+            Kind::Sessions => {
+                if !(self.session_rate > 0.0 && self.turns >= 1.0) {
+                    return Err("--session-rate must be > 0 and --turns >= 1".to_owned());
+                }
+                Ok(workload::sessions(&SessionOptions {
+                    sessions: self.sessions,
+                    rate: self.session_rate,
+                    system_prompts: self.system_prompts,
+                    system_tokens: self.system_tokens,
+                    mean_turns: self.turns,
+                    user_tokens: self.user_tokens,
+                    output_tokens: self.output_tokens,
+                    think_s: self.think_s,
+                    seed: self.seed,
+                }))
+            }
+            Kind::Groups => {
+                if self.group_rate.is_nan()
+                    || self.group_rate <= 0.0
+                    || self.groups == 0
+                    || self.users == 0
+                {
+                    return Err(
+                        "--group-rate must be > 0, --groups and --users at least 1".to_owned()
+                    );
+                }
+                Ok(workload::groups(&GroupOptions {
+                    groups: self.groups,
+                    users: self.users,
+                    prefix_tokens: self.prefix_tokens,
+                    question_tokens: self.question_tokens,
+                    output_tokens: self.output_tokens,
+                    requests: self.group_requests,
+                    rate: self.group_rate,
+                    seed: self.seed,
+                }))
+            }
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+struct ReplayArgs {
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    /// Name of the router under test (in the report).
+    #[arg(long)]
+    router: String,
+    /// One line on how the router was configured (in the report).
+    #[arg(long, default_value = "")]
+    setup: String,
+    /// Base URL of the router.
+    #[arg(long)]
+    target: String,
+    /// Base URLs of the engines, comma-separated (sampled for KV, cache and preemption figures).
+    #[arg(long, value_delimiter = ',', required = true)]
+    engines: Vec<String>,
+    /// Model name sent in requests.
+    #[arg(long, default_value = "meta-llama/Llama-3.1-8B-Instruct")]
+    model: String,
+    /// The simulator's --time-scale (modelled seconds per real second).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Header carrying the session key; empty to send none.
+    #[arg(long, default_value = "x-session-id")]
+    session_header: String,
+    /// Per-request time limit, modelled seconds.
+    #[arg(long, default_value_t = 1800.0)]
+    timeout_s: f64,
+    /// Engine sampling interval, real milliseconds.
+    #[arg(long, default_value_t = 100)]
+    sample_ms: u64,
+    /// Where to write the run summary (JSON).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Debug, Args)]
+struct ReportArgs {
+    /// Directory for report.json, report.md and the plots.
+    #[arg(long)]
+    out: PathBuf,
+    /// A line of setup description for the report (repeatable).
+    #[arg(long = "setup")]
+    setup: Vec<String>,
+    /// Fail (exit 1) if the harness's consistency checks fail.
+    #[arg(long)]
+    check: bool,
+    /// Run summaries, in the order the report lists them.
+    #[arg(required = true)]
+    runs: Vec<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    let result = match cli.command {
+        Command::Describe(w) => describe(&w),
+        Command::Replay(r) => run_replay(&r),
+        Command::Report(r) => run_report(&r),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kvroute-bench: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn describe(w: &WorkloadArgs) -> Result<ExitCode, String> {
+    let wl = w.build()?;
+    let json = serde_json::to_string_pretty(&wl.description).map_err(|e| e.to_string())?;
+    println!("{json}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
+    if !(a.time_scale.is_finite() && a.time_scale > 0.0) {
+        return Err(format!(
+            "--time-scale {}: must be a positive number",
+            a.time_scale
+        ));
+    }
+    let wl = a.workload.build()?;
+    let opts = Options {
+        target: a.target.clone(),
+        engines: a.engines.clone(),
+        model: a.model.clone(),
+        time_scale: a.time_scale,
+        session_header: (!a.session_header.is_empty()).then(|| a.session_header.clone()),
+        timeout_s: a.timeout_s,
+        sample_every: Duration::from_millis(a.sample_ms.max(10)),
+        seed: a.workload.seed,
+        label: a.router.clone(),
+    };
+    let replayed = replay::run(&wl, opts);
+    let summary = RunSummary::new(
+        &a.router,
+        &a.setup,
+        &wl.description,
+        a.time_scale,
+        &replayed,
+    );
+    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    let json = serde_json::to_vec(&summary).map_err(|e| e.to_string())?;
+    std::fs::write(&a.out, json).map_err(|e| format!("{}: {e}", a.out.display()))?;
+    println!(
+        "{}: {} requests, {} errors, TTFT p50 {:.0} ms p99 {:.0} ms, hit rate {:.1} % (LRU ceiling {:.1} %), KV spread {:.3}",
+        summary.router,
+        summary.requests,
+        summary.errors,
+        summary.ttft_ms.p50,
+        summary.ttft_ms.p99,
+        100.0 * summary.hit_rate,
+        100.0 * summary.ceilings.lru_hit_rate,
+        summary.kv_spread_mean
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_report(a: &ReportArgs) -> Result<ExitCode, String> {
+    let mut runs = Vec::new();
+    for p in &a.runs {
+        let bytes = std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        let run: RunSummary = serde_json::from_slice(&bytes)
+            .map_err(|e| format!("{}: not a run summary: {e}", p.display()))?;
+        runs.push(run);
+    }
+    let r = Report {
+        setup: a.setup.clone(),
+        runs,
+    };
+    report::write(&r, &a.out)?;
+    print!("{}", report::markdown(&r));
+    println!(
+        "\nwrote {}/report.{{json,md}}, ttft-cdf.svg, kv-utilisation.svg",
+        a.out.display()
+    );
+    if a.check {
+        let bad = report::check(&r);
+        if !bad.is_empty() {
+            for b in &bad {
+                eprintln!("check failed: {b}");
+            }
+            return Ok(ExitCode::FAILURE);
+        }
+        println!("checks passed: every router completed, figures consistent, kvroute beats round robin on hit rate");
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,122 @@
+//! SVG plots of a comparison: TTFT CDF per router, and per-replica KV
+//! utilisation over time (one panel per router).
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::summary::RunSummary;
+
+/// Distinct colours for up to ten routers (then they repeat).
+const COLOURS: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+
+fn colour(i: usize) -> RGBColor {
+    COLOURS.get(i % COLOURS.len()).copied().unwrap_or(BLACK)
+}
+
+type PlotResult = Result<(), Box<dyn std::error::Error>>;
+
+/// TTFT CDF, one line per router, log-scaled time axis.
+pub fn ttft_cdf(runs: &[RunSummary], path: &Path) -> PlotResult {
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let all = runs.iter().flat_map(|r| r.ttft_sorted_ms.iter().copied());
+    let max = all.clone().fold(1.0f64, f64::max) * 1.2;
+    let min = all.fold(f64::MAX, f64::min).clamp(0.1, max / 10.0) * 0.8;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Time to first token, CDF (modelled time)",
+            ("sans-serif", 22),
+        )
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(56)
+        .build_cartesian_2d((min..max).log_scale(), 0.0..1.0f64)?;
+    chart
+        .configure_mesh()
+        .x_desc("TTFT (ms, log scale)")
+        .y_desc("fraction of requests")
+        .draw()?;
+    for (i, run) in runs.iter().enumerate() {
+        let n = run.ttft_sorted_ms.len().max(1) as f64;
+        // At most ~2000 points per line keeps the SVG small.
+        let step = (run.ttft_sorted_ms.len() / 2000).max(1);
+        let points = run
+            .ttft_sorted_ms
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| k % step == 0 || *k + 1 == run.ttft_sorted_ms.len())
+            .map(|(k, v)| (v.max(min), (k + 1) as f64 / n));
+        let c = colour(i);
+        chart
+            .draw_series(LineSeries::new(points, c.stroke_width(2)))?
+            .label(format!("{} (p99 {:.0} ms)", run.router, run.ttft_ms.p99))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// Per-replica KV utilisation over time, one panel per router.
+pub fn kv_timeline(runs: &[RunSummary], path: &Path) -> PlotResult {
+    let cols = 2usize;
+    let rows = runs.len().div_ceil(cols).max(1);
+    let root = SVGBackend::new(path, (1000, (260 * rows + 40) as u32)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(
+        "KV-cache utilisation per replica over time (modelled seconds)",
+        ("sans-serif", 22),
+    )?;
+    let panels = root.split_evenly((rows, cols));
+    let t_max = runs
+        .iter()
+        .flat_map(|r| r.samples.iter().map(|s| s.t_s))
+        .fold(1.0f64, f64::max);
+    for (run, panel) in runs.iter().zip(panels.iter()) {
+        let mut chart = ChartBuilder::on(panel)
+            .caption(
+                format!(
+                    "{}: spread {:.2}, mean {:.2}",
+                    run.router, run.kv_spread_mean, run.kv_mean
+                ),
+                ("sans-serif", 16),
+            )
+            .margin(8)
+            .x_label_area_size(28)
+            .y_label_area_size(40)
+            .build_cartesian_2d(0.0..t_max, 0.0..1.0f64)?;
+        chart.configure_mesh().x_labels(6).y_labels(5).draw()?;
+        let engines = run
+            .samples
+            .iter()
+            .map(|s| s.engines.len())
+            .max()
+            .unwrap_or(0);
+        for e in 0..engines {
+            let points = run
+                .samples
+                .iter()
+                .filter_map(|s| s.engines.get(e).copied().flatten().map(|r| (s.t_s, r.kv)));
+            chart.draw_series(LineSeries::new(points, colour(e).stroke_width(1)))?;
+        }
+    }
+    root.present()?;
+    Ok(())
+}

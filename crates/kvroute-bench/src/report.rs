@@ -1,0 +1,190 @@
+//! The comparison: `report.json`, a Markdown table, SVG plots, and the
+//! consistency checks `make bench-smoke` runs.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::summary::RunSummary;
+
+/// The whole comparison.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    /// Free text: how the fleet and the run were set up.
+    pub setup: Vec<String>,
+    pub runs: Vec<RunSummary>,
+}
+
+/// The router whose hit rate kvroute must beat in the smoke check.
+pub const BASELINE: &str = "envoy-round-robin";
+pub const KVROUTE: &str = "kvroute";
+
+fn pct(x: f64) -> String {
+    format!("{:.1} %", 100.0 * x)
+}
+
+/// The Markdown table (and the ceilings under it).
+pub fn markdown(r: &Report) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| router | TTFT p50 / p95 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 (ms) | req/s | output tok/s | errors | hit rate | of LRU ceiling | KV spread | preemptions |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
+    for run in &r.runs {
+        let _ = writeln!(
+            s,
+            "| {} | {:.0} / {:.0} / {:.0} | {:.1} / {:.1} | {:.0} | {:.2} | {:.0} | {} | {} | {} | {:.3} | {:.0} |",
+            run.router,
+            run.ttft_ms.p50,
+            run.ttft_ms.p95,
+            run.ttft_ms.p99,
+            run.itl_ms.p50,
+            run.itl_ms.p99,
+            run.e2e_ms.p50,
+            run.requests_per_s,
+            run.output_tokens_per_s,
+            run.errors,
+            pct(run.hit_rate),
+            pct(run.hit_fraction_of_lru),
+            run.kv_spread_mean,
+            run.preemptions,
+        );
+    }
+    if let Some(first) = r.runs.first() {
+        let c = &first.ceilings;
+        let _ = writeln!(
+            s,
+            "\nCeilings on the same requests in the same order: one engine with an unbounded cache {}; \
+             one LRU cache holding the fleet's {} blocks {}.",
+            pct(c.unbounded_hit_rate),
+            c.lru_blocks,
+            pct(c.lru_hit_rate)
+        );
+        let _ = writeln!(
+            s,
+            "\nWorkload: {} ({} requests).",
+            first.workload.summary, first.workload.requests
+        );
+    }
+    for run in &r.runs {
+        if run.errors > 0 {
+            let _ = writeln!(s, "\n{} errors: {:?}", run.router, run.errors_by_class);
+        }
+    }
+    s
+}
+
+/// Writes report.json, report.md, ttft-cdf.svg and kv-utilisation.svg.
+pub fn write(r: &Report, dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let json = serde_json::to_vec_pretty(r).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join("report.json"), json).map_err(|e| format!("report.json: {e}"))?;
+    let mut md = String::from("# kvroute routing benchmark\n\n");
+    for line in &r.setup {
+        let _ = writeln!(md, "- {line}");
+    }
+    md.push('\n');
+    md.push_str(&markdown(r));
+    md.push_str("\n![TTFT CDF](ttft-cdf.svg)\n\n![KV utilisation](kv-utilisation.svg)\n");
+    std::fs::write(dir.join("report.md"), md).map_err(|e| format!("report.md: {e}"))?;
+    crate::plot::ttft_cdf(&r.runs, &dir.join("ttft-cdf.svg"))
+        .map_err(|e| format!("ttft-cdf.svg: {e}"))?;
+    crate::plot::kv_timeline(&r.runs, &dir.join("kv-utilisation.svg"))
+        .map_err(|e| format!("kv-utilisation.svg: {e}"))?;
+    Ok(())
+}
+
+/// The harness's own consistency checks; each failure is one line.
+pub fn check(r: &Report) -> Vec<String> {
+    let mut bad = Vec::new();
+    if r.runs.is_empty() {
+        bad.push("no router ran".to_owned());
+    }
+    for run in &r.runs {
+        let name = &run.router;
+        if run.requests != run.workload.requests as u64 {
+            bad.push(format!(
+                "{name}: {} of {} requests have an outcome",
+                run.requests, run.workload.requests
+            ));
+        }
+        if run.errors > 0 || run.completed != run.requests {
+            bad.push(format!(
+                "{name}: {} errors ({:?}), e.g. {:?}",
+                run.errors,
+                run.errors_by_class,
+                run.error_examples.first()
+            ));
+        }
+        let c = &run.ceilings;
+        if !(0.0..=1.0).contains(&c.unbounded_hit_rate)
+            || c.lru_hit_rate > c.unbounded_hit_rate + 1e-9
+        {
+            bad.push(format!(
+                "{name}: ceilings inconsistent (unbounded {}, LRU {})",
+                c.unbounded_hit_rate, c.lru_hit_rate
+            ));
+        }
+        // The engines' hit rate can only exceed the unbounded ceiling by
+        // rounding (queries counted again after a preemption).
+        if !(0.0..=c.unbounded_hit_rate + 0.01).contains(&run.hit_rate) {
+            bad.push(format!(
+                "{name}: hit rate {} outside [0, unbounded ceiling {}]",
+                run.hit_rate, c.unbounded_hit_rate
+            ));
+        }
+        if !(0.0..=1.0).contains(&run.hit_rate_from_usage) {
+            bad.push(format!(
+                "{name}: hit rate from usage {}",
+                run.hit_rate_from_usage
+            ));
+        }
+        for (what, p) in [
+            ("TTFT", run.ttft_ms),
+            ("ITL", run.itl_ms),
+            ("E2E", run.e2e_ms),
+        ] {
+            if p.count == 0 || !(p.p50 <= p.p95 && p.p95 <= p.p99 && p.p99 <= p.max + 1e-9) {
+                bad.push(format!(
+                    "{name}: {what} percentiles missing or out of order: {p:?}"
+                ));
+            }
+        }
+        if !(0.0..=1.0).contains(&run.kv_spread_mean) || run.samples.is_empty() {
+            bad.push(format!(
+                "{name}: KV spread {} from {} samples",
+                run.kv_spread_mean,
+                run.samples.len()
+            ));
+        }
+        if run.ttft_sorted_ms.len() as u64 != run.completed {
+            bad.push(format!(
+                "{name}: {} TTFT samples for {} requests",
+                run.ttft_sorted_ms.len(),
+                run.completed
+            ));
+        }
+        let served: u64 = run.per_engine_requests.iter().sum();
+        if served != run.completed {
+            bad.push(format!(
+                "{name}: engines report {served} answers for {} completed requests",
+                run.completed
+            ));
+        }
+    }
+    let find = |n: &str| r.runs.iter().find(|x| x.router == n);
+    match (find(KVROUTE), find(BASELINE)) {
+        (Some(k), Some(b)) if k.hit_rate <= b.hit_rate => bad.push(format!(
+            "{KVROUTE} hit rate {} does not beat {BASELINE}'s {}",
+            pct(k.hit_rate),
+            pct(b.hit_rate)
+        )),
+        (Some(_), Some(_)) => {}
+        _ => bad.push(format!(
+            "the comparison needs both {KVROUTE} and {BASELINE}"
+        )),
+    }
+    bad
+}

@@ -1,0 +1,167 @@
+//! The engine's constants, with the configuration they describe.
+//!
+//! The defaults model ONE named public configuration: Llama-3.1-8B-Instruct
+//! in BF16 on one H100 SXM 80GB under vLLM (V1 engine, OpenAI API server),
+//! `gpu_memory_utilization` 0.9. Where each number comes from:
+//!
+//! * Model (Hugging Face `meta-llama/Llama-3.1-8B-Instruct`, `config.json`):
+//!   32 layers, 32 attention heads over hidden size 4096 (head dim 128),
+//!   8 KV heads, `max_position_embeddings` 131072; about 8.03e9 parameters,
+//!   so the BF16 weights are about 16.1 GB.
+//! * KV bytes per token = 2 (K and V) x 32 layers x 8 KV heads x 128 x 2
+//!   bytes = 131072 B; a 16-token block is 2 MiB.
+//! * H100 SXM5 80GB (NVIDIA H100 Tensor Core GPU datasheet): HBM3 at
+//!   3.35 TB/s, 989 TFLOPS dense BF16 (1979 with sparsity).
+//! * KV capacity: vLLM gives the KV cache what is left of
+//!   `0.9 x total memory` after weights and the profiled peak of
+//!   activations, CUDA graphs and non-torch memory. 0.9 x 79.6 GiB (the
+//!   80GB part as the driver reports it) = 77.0 GB; minus 16.1 GB weights
+//!   and about 8 GB of the rest leaves about 52.9 GB = 25.2k blocks of
+//!   2 MiB; [`EngineConfig::kv_blocks`] takes 25,000 (400k tokens).
+//! * Scheduler limits: vLLM's `EngineArgs.get_batch_defaults`
+//!   (`vllm/engine/arg_utils.py`) sets, for GPUs with at least 70 GiB that
+//!   are not A100s (H100, MI300x) and the OpenAI API server context,
+//!   `max_num_batched_tokens` 8192 and `max_num_seqs` 1024 (other GPUs:
+//!   2048 and 256).
+//! * Step time (a roofline sketch, not a measurement): every step reads
+//!   all weights once, 16.1 GB at an achievable ~2.7 TB/s (about 80% of
+//!   peak) is ~6 ms ([`EngineConfig::step_fixed_us`]); a prefill token
+//!   costs 2 x 8.03e9 FLOP, at ~50% of the BF16 peak ~32 us
+//!   ([`EngineConfig::prefill_token_us`]); a decode sequence reads its
+//!   context's KV, 131072 B per token at 2.7 TB/s = 0.0485 us
+//!   ([`EngineConfig::context_token_us`]), plus a per-sequence constant for
+//!   its token's share of compute, sampling and bookkeeping
+//!   ([`EngineConfig::decode_seq_us`], 30 us; large batches become compute
+//!   bound). With these, one decode stream runs at ~6 ms per token and a
+//!   batch of 256 at 1k context at ~26 ms per step.
+
+/// Scheduler limits and step-time constants of one engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// KV-cache capacity in blocks of 16 tokens.
+    pub kv_blocks: usize,
+    /// Most sequences running at once (vLLM `max_num_seqs`).
+    pub max_num_seqs: usize,
+    /// Most tokens computed in one step (vLLM `max_num_batched_tokens`).
+    pub max_num_batched_tokens: usize,
+    /// Longest sequence, prompt plus output, in tokens (the model's
+    /// `max_position_embeddings`; vLLM's `max_model_len`).
+    pub max_model_len: usize,
+    /// Fixed cost of every step, microseconds.
+    pub step_fixed_us: f64,
+    /// Cost per prefill token in a step, microseconds.
+    pub prefill_token_us: f64,
+    /// Cost per decoding sequence in a step, microseconds.
+    pub decode_seq_us: f64,
+    /// Cost per context token of a decoding sequence, microseconds.
+    pub context_token_us: f64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kv_blocks: 25_000,
+            max_num_seqs: 1024,
+            max_num_batched_tokens: 8192,
+            max_model_len: 131_072,
+            step_fixed_us: 6000.0,
+            prefill_token_us: 32.0,
+            decode_seq_us: 30.0,
+            context_token_us: 0.0485,
+        }
+    }
+}
+
+/// Why an [`EngineConfig`] was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl EngineConfig {
+    /// Checks every field; the error names the field, the value and why.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("kv_blocks", self.kv_blocks),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_model_len", self.max_model_len),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(ConfigError(format!("{name} = 0: must be at least 1")));
+            }
+        }
+        let times = [
+            ("step_fixed_us", self.step_fixed_us),
+            ("prefill_token_us", self.prefill_token_us),
+            ("decode_seq_us", self.decode_seq_us),
+            ("context_token_us", self.context_token_us),
+        ];
+        for (name, v) in times {
+            if !v.is_finite() || v < 0.0 {
+                return Err(ConfigError(format!(
+                    "{name} = {v}: must be a finite number >= 0"
+                )));
+            }
+        }
+        if self.step_fixed_us + self.prefill_token_us <= 0.0 {
+            return Err(ConfigError(
+                "step_fixed_us + prefill_token_us = 0: a step must take time".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Modelled duration of one step, microseconds: fixed + per prefill
+    /// token x prefill tokens + for every decoding sequence (per sequence +
+    /// per context token x its context length).
+    pub fn step_time_us(&self, prefill_tokens: usize, decode_contexts: &[usize]) -> f64 {
+        let decode: f64 = decode_contexts
+            .iter()
+            .map(|&ctx| self.decode_seq_us + self.context_token_us * ctx as f64)
+            .sum();
+        self.step_fixed_us + self.prefill_token_us * prefill_tokens as f64 + decode
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn step_time_formula() {
+        let c = EngineConfig {
+            step_fixed_us: 100.0,
+            prefill_token_us: 2.0,
+            decode_seq_us: 10.0,
+            context_token_us: 0.5,
+            ..EngineConfig::default()
+        };
+        assert!((c.step_time_us(0, &[]) - 100.0).abs() < 1e-9);
+        assert!((c.step_time_us(50, &[]) - 200.0).abs() < 1e-9);
+        // 100 + 2*50 + (10 + 0.5*20) + (10 + 0.5*40)
+        assert!((c.step_time_us(50, &[20, 40]) - 250.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn defaults_are_valid_and_near_the_derivation() {
+        let c = EngineConfig::default();
+        assert!(c.validate().is_ok());
+        // One decode stream at ~6 ms per token.
+        let one = c.step_time_us(0, &[1000]);
+        assert!((6000.0..6200.0).contains(&one));
+        let bad = EngineConfig {
+            kv_blocks: 0,
+            ..EngineConfig::default()
+        };
+        assert!(bad.validate().unwrap_err().0.contains("kv_blocks"));
+    }
+}
