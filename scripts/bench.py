@@ -256,9 +256,10 @@ def envoy_plain(name: str, fleet: Fleet, workdir: Path, local: bool = False) -> 
     return Router(name=name, setup=setup, url=envoy.gateway_url, envoy=envoy)
 
 
-def kvroute_router(fleet: Fleet, workdir: Path, collector_ms: int, local: bool = False) -> Router:
+def kvroute_router(fleet: Fleet, workdir: Path, collector_ms: int, local: bool = False,
+                   name: str = "kvroute", overrides: dict | None = None) -> Router:
     gw, admin, ingest = router_ports(local)
-    plugin = harness.plugin_config_for(fleet.addresses, {"explainHeader": False})
+    plugin = harness.plugin_config_for(fleet.addresses, {"explainHeader": False, **(overrides or {})})
     cfg = harness.build_envoy_config(gateway_port=gw, admin_port=admin, endpoints=fleet.addresses,
                                      plugin_config=plugin, ingest_port=ingest)
     envoy = harness.Envoy(cfg, workdir, concurrency=2, log_level="warning").start()
@@ -266,9 +267,10 @@ def kvroute_router(fleet: Fleet, workdir: Path, collector_ms: int, local: bool =
     collector = harness.Collector(engines=fleet.addresses, gateways=[f"http://127.0.0.1:{ingest}"], token=token,
                                   workdir=workdir, interval_ms=collector_ms, collector_id="kvroute-bench",
                                   metrics_port=LOCAL["collector"] if local else None, log_level="warn").start()
-    setup = (f"Envoy 1.40 + kvroute (plugin defaults; fleet state from kvroute-collector scraping every "
+    settings = f"plugin config overrides {json.dumps(overrides)}" if overrides else "plugin defaults"
+    setup = (f"Envoy 1.40 + kvroute ({settings}; fleet state from kvroute-collector scraping every "
              f"{collector_ms} ms real time)")
-    return Router(name="kvroute", setup=setup, url=envoy.gateway_url, envoy=envoy, collector=collector)
+    return Router(name=name, setup=setup, url=envoy.gateway_url, envoy=envoy, collector=collector)
 
 
 def peer_binary(name: str) -> Path | None:
@@ -317,6 +319,8 @@ def start_router(name: str, fleet: Fleet, workdir: Path, args) -> Router:
         return envoy_plain(name, fleet, workdir, args.local_stack)
     if name == "kvroute":
         return kvroute_router(fleet, workdir, args.collector_ms, args.local_stack)
+    if name in args.variants:
+        return kvroute_router(fleet, workdir, args.collector_ms, args.local_stack, name, args.variants[name])
     return peer_router(name, fleet, workdir)
 
 
@@ -353,10 +357,23 @@ def parse_args(argv):
     p.add_argument("--check", action="store_true", help="fail unless the report's consistency checks pass")
     p.add_argument("--require-peers", action="store_true", help="fail instead of skipping a peer not installed")
     p.add_argument("--keep", action="store_true", help="keep the per-router logs and configs")
+    p.add_argument("--kvroute-variant", action="append", default=[], metavar="NAME=JSON",
+                   help="an extra router: kvroute with these plugin config overrides (merged one level deep), "
+                        "reported as kvroute-NAME, e.g. 'kv1={\"fleet\": {\"wKv\": 1}}' (repeatable)")
     p.add_argument("--local-stack", action="store_true",
                    help="use the local stack's fixed ports (engines 8001.., gateway 10000, admin 9901, "
                         "ingest 10001, collector metrics 9102) instead of free ones")
     args = p.parse_args(argv)
+    args.variants = {}
+    for v in args.kvroute_variant:
+        label, _, text = v.partition("=")
+        try:
+            overrides = json.loads(text)
+        except ValueError as exc:
+            p.error(f"--kvroute-variant {v!r}: not NAME=JSON ({exc})")
+        if not label or not isinstance(overrides, dict):
+            p.error(f"--kvroute-variant {v!r}: expected NAME=JSON-object")
+        args.variants[f"kvroute-{label}"] = overrides
     if args.smoke:
         args.window, args.rate, args.time_scale = "600:700", 1.0, 20.0
     return args
@@ -364,8 +381,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
-    unknown = [r for r in routers if r not in ALL_ROUTERS]
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()] + list(args.variants)
+    unknown = [r for r in routers if r not in ALL_ROUTERS and r not in args.variants]
     if unknown:
         print(f"bench: unknown router(s) {unknown}; known: {', '.join(ALL_ROUTERS)}", file=sys.stderr)
         return 2

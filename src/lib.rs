@@ -22,7 +22,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use kvroute_core::config::Role;
 use kvroute_core::decide::{self, Decision, FleetInput, Unparsed};
 use kvroute_core::fleet::FleetView;
-use kvroute_core::host::{Counter, Gauge, Metrics};
+use kvroute_core::host::{header_text, Counter, Gauge, Metrics};
 use kvroute_core::ingest::{self, FleetCache, Outcome, Refresh, INGEST_PATH};
 use kvroute_core::load::{self, Charge};
 use kvroute_core::usage::{self, Tracker};
@@ -223,11 +223,17 @@ struct Stream {
     tracker: Tracker,
 }
 
+/// A header as text; missing, unreadable or not UTF-8 reads as `None`.
+///
+/// Never `hostcalls::get_map_value`: proxy-wasm 0.2 unwraps its UTF-8
+/// conversion, so a client header with bytes 0x80-0xFF trapped the VM (found
+/// by tests/e2e/test_hostile.py). Read bytes, decode in kvroute-core.
+fn map_value(map: MapType, name: &str) -> Option<String> {
+    header_text(hostcalls::get_map_value_bytes(map, name).ok().flatten())
+}
+
 fn header(name: &str) -> Option<String> {
-    // A header that is not valid UTF-8 reads as an error: treat it as absent.
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
+    map_value(MapType::HttpRequestHeaders, name)
 }
 
 impl Stream {
@@ -357,6 +363,11 @@ impl HttpContext for Stream {
         if end_of_stream {
             return self.decide(Err(Unparsed::Empty));
         }
+        // A body declared over the cap is never parsed: decide now and let it
+        // stream, rather than hold a first piece (see declared_over_cap).
+        if decide::declared_over_cap(header("content-length").as_deref(), cfg.max_body_bytes) {
+            return self.decide(Err(Unparsed::TooLarge));
+        }
         // Hold the headers until the body is in.
         Action::Pause
     }
@@ -388,14 +399,9 @@ impl HttpContext for Stream {
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         // First response byte: the prompt has been prefilled.
         self.release(true);
-        let ok = hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
-            .ok()
-            .flatten()
-            .is_some_and(|s| s == "200");
+        let ok = map_value(MapType::HttpResponseHeaders, ":status").is_some_and(|s| s == "200");
         if self.model.is_some() && ok {
-            let ct = hostcalls::get_map_value(MapType::HttpResponseHeaders, "content-type")
-                .ok()
-                .flatten();
+            let ct = map_value(MapType::HttpResponseHeaders, "content-type");
             self.tracker = Tracker::for_content_type(ct.as_deref());
         }
         if self.shared.config.explain_header {

@@ -26,6 +26,10 @@ pub struct EngineReading {
     /// `num_gpu_blocks` of `vllm:cache_config_info`.
     pub kv_blocks: f64,
     pub block_size: f64,
+    /// `kvroute_sim_lag_seconds_total`: modelled seconds the simulator fell
+    /// behind its clock while busy.
+    #[serde(default)]
+    pub lag_s: f64,
 }
 
 /// Every engine at one moment; `None` for an engine that did not answer.
@@ -53,7 +57,10 @@ pub fn read(agent: &ureq::Agent, base: &str) -> Option<EngineReading> {
 
 /// Sums each family over its series (one engine may serve several models).
 pub fn parse(text: &str) -> Option<EngineReading> {
-    let expo = expo::parse(text, |n| n.starts_with("vllm:")).ok()?;
+    let expo = expo::parse(text, |n| {
+        n.starts_with("vllm:") || n.starts_with("kvroute_sim_")
+    })
+    .ok()?;
     let mut r = EngineReading::default();
     for s in &expo.samples {
         let v = if s.value.is_finite() { s.value } else { 0.0 };
@@ -64,6 +71,7 @@ pub fn parse(text: &str) -> Option<EngineReading> {
             "vllm:prefix_cache_queries_total" => r.cache_queries += v,
             "vllm:prefix_cache_hits_total" => r.cache_hits += v,
             "vllm:num_preemptions_total" => r.preemptions += v,
+            "kvroute_sim_lag_seconds_total" => r.lag_s += v,
             "vllm:cache_config_info" => {
                 let num = |k: &str| s.label(k).and_then(|x| x.parse::<f64>().ok());
                 r.kv_blocks = num("num_gpu_blocks").unwrap_or(r.kv_blocks);

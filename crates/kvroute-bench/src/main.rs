@@ -322,7 +322,7 @@ fn run_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
     let json = serde_json::to_vec(&summary).map_err(|e| e.to_string())?;
     std::fs::write(&a.out, json).map_err(|e| format!("{}: {e}", a.out.display()))?;
     println!(
-        "{}: {} requests, {} errors, TTFT p50 {:.0} ms p99 {:.0} ms, hit rate {:.1} % (LRU ceiling {:.1} %), KV spread {:.3}",
+        "{}: {} requests, {} errors, TTFT p50 {:.0} ms p99 {:.0} ms, hit rate {:.1} % (LRU ceiling {:.1} %), KV spread {:.3}, simulator lag {:.1} %",
         summary.router,
         summary.requests,
         summary.errors,
@@ -330,7 +330,8 @@ fn run_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
         summary.ttft_ms.p99,
         100.0 * summary.hit_rate,
         100.0 * summary.ceilings.lru_hit_rate,
-        summary.kv_spread_mean
+        summary.kv_spread_mean,
+        100.0 * summary.sim_lag_fraction
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -19,6 +19,8 @@ pub struct Report {
 /// The router whose hit rate kvroute must beat in the smoke check.
 pub const BASELINE: &str = "envoy-round-robin";
 pub const KVROUTE: &str = "kvroute";
+/// Simulator lag (fraction of the run) above which the report warns.
+pub const LAG_WARNING: f64 = 0.02;
 
 fn pct(x: f64) -> String {
     format!("{:.1} %", 100.0 * x)
@@ -52,6 +54,32 @@ pub fn markdown(r: &Report) -> String {
             run.preemptions,
         );
     }
+    let _ = writeln!(
+        s,
+        "\nWhere the time goes (engine-reported queue wait and prefill, modelled ms), and the split of requests over the engines:\n"
+    );
+    let _ = writeln!(
+        s,
+        "| router | queue p50 / p99 | prefill p50 / p99 | E2E p50 / p99 | ITL p99 | requests per engine | hit rate (answers' cached_tokens) |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|");
+    for run in &r.runs {
+        let split: Vec<String> = run.per_engine_requests.iter().map(u64::to_string).collect();
+        let _ = writeln!(
+            s,
+            "| {} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.1} | {} | {} |",
+            run.router,
+            run.queue_ms.p50,
+            run.queue_ms.p99,
+            run.prefill_ms.p50,
+            run.prefill_ms.p99,
+            run.e2e_ms.p50,
+            run.e2e_ms.p99,
+            run.itl_ms.p99,
+            split.join(" / "),
+            pct(run.hit_rate_from_usage),
+        );
+    }
     if let Some(first) = r.runs.first() {
         let c = &first.ceilings;
         let _ = writeln!(
@@ -66,6 +94,20 @@ pub fn markdown(r: &Report) -> String {
             s,
             "\nWorkload: {} ({} requests).",
             first.workload.summary, first.workload.requests
+        );
+    }
+    let lagging: Vec<String> = r
+        .runs
+        .iter()
+        .filter(|run| run.sim_lag_fraction > LAG_WARNING)
+        .map(|run| format!("{} ({})", run.router, pct(run.sim_lag_fraction)))
+        .collect();
+    if !lagging.is_empty() {
+        let _ = writeln!(
+            s,
+            "\n**Warning:** the simulator fell behind its clock in {}: this machine could not keep up with the \
+             time scale, so those figures are distorted. Rerun with a lower `--time-scale`.",
+            lagging.join(", ")
         );
     }
     for run in &r.runs {

@@ -87,6 +87,12 @@ pub struct RunSummary {
     pub kv_spread_mean: f64,
     pub kv_mean: f64,
     pub preemptions: f64,
+    /// The simulator's lag over the run as a fraction of the run's
+    /// modelled duration, worst engine. Above a few percent the host could
+    /// not keep up with the time scale and the figures are distorted:
+    /// rerun with a lower `--time-scale`.
+    #[serde(default)]
+    pub sim_lag_fraction: f64,
     /// Completed requests per engine (from the simulator's answers).
     pub per_engine_requests: Vec<u64>,
     /// Every completed request's TTFT, sorted (for the CDF).
@@ -164,6 +170,9 @@ impl RunSummary {
         let preemptions: f64 = (0..engines)
             .map(|e| counter_delta(&replay.samples, e, |r| r.preemptions))
             .sum();
+        let lag = (0..engines)
+            .map(|e| counter_delta(&replay.samples, e, |r| r.lag_s))
+            .fold(0.0, f64::max);
         let fleet_blocks: f64 = (0..engines)
             .map(|e| {
                 replay
@@ -240,6 +249,7 @@ impl RunSummary {
             kv_spread_mean: if n > 0 { spread / n as f64 } else { 0.0 },
             kv_mean: if n > 0 { level / n as f64 } else { 0.0 },
             preemptions,
+            sim_lag_fraction: lag / replay.duration_s.max(1e-9),
             per_engine_requests: per_engine,
             ttft_sorted_ms: ttft,
             samples: replay.samples.clone(),

@@ -193,6 +193,24 @@ fn non_empty(s: Option<&str>) -> Option<&str> {
     s.map(str::trim).filter(|s| !s.is_empty())
 }
 
+/// Whether the request's declared `content-length` already exceeds
+/// `maxBodyBytes`, so its body will not be parsed: the filter then decides in
+/// the header callback and never holds any of the body.
+///
+/// Holding part of such a body is not only useless, it can turn the request
+/// into a 413 from Envoy: when a filter that paused the headers continues,
+/// Envoy first appends the newly read data to what that filter buffered and
+/// checks the sum against the listener's buffer limit. One socket read can
+/// bring up to that limit, so a body over the limit was refused whenever a
+/// small first piece had been held (found by tests/e2e/test_hostile.py).
+/// A missing or unparsable value is not "too large": the body callbacks
+/// count the bytes as they come.
+pub fn declared_over_cap(content_length: Option<&str>, max_body_bytes: usize) -> bool {
+    content_length
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .is_some_and(|n| n > u64::try_from(max_body_bytes).unwrap_or(u64::MAX))
+}
+
 /// Parses and hashes a request body. `session_header` is the value of the
 /// first configured session header present.
 pub fn analyze(
@@ -270,6 +288,7 @@ pub struct Decision {
 pub fn pick_for(cfg: &Config, facts: &Facts, loads: &[u64]) -> Decision {
     let bounds = Bounds {
         epsilon: cfg.epsilon,
+        floor: cfg.load_floor_tokens,
         fallbacks: cfg.fallbacks,
     };
     let key = facts.affinity.key();
@@ -374,6 +393,7 @@ pub fn pick_fleet(
     let key = facts.affinity.key();
     let bounds = Bounds {
         epsilon: cfg.epsilon,
+        floor: cfg.load_floor_tokens,
         fallbacks: cfg.fallbacks,
     };
     match score::pick_scored(&cands, key, facts.cost(), f.score_quantum, bounds) {
@@ -587,6 +607,21 @@ mod tests {
     }
 
     #[test]
+    fn declared_over_cap_only_for_a_length_above_the_cap() {
+        let cap = 1 << 20;
+        assert!(!declared_over_cap(None, cap));
+        assert!(!declared_over_cap(Some("0"), cap));
+        assert!(!declared_over_cap(Some("1048576"), cap));
+        assert!(declared_over_cap(Some("1048577"), cap));
+        assert!(declared_over_cap(Some(" 6291456 "), cap));
+        // Not a number, or too big for u64: unknown, counted as it arrives.
+        assert!(!declared_over_cap(Some("lots"), cap));
+        assert!(!declared_over_cap(Some("-5"), cap));
+        assert!(!declared_over_cap(Some("99999999999999999999999"), cap));
+        assert!(declared_over_cap(Some("18446744073709551615"), cap));
+    }
+
+    #[test]
     fn turns_of_a_conversation_share_the_prefix_key() {
         let t1 = chat(
             json!([{"role":"system","content":"You help."},{"role":"user","content":"What is KV cache?"}]),
@@ -746,9 +781,10 @@ mod tests {
         let c = cfg();
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
+        // 80 KB: about 20k tokens, over the 16384-token load floor.
         let f = facts(
             &chat(
-                json!([{"role":"user","content":"x".repeat(20_000)}]),
+                json!([{"role":"user","content":"x".repeat(80_000)}]),
                 json!({}),
             ),
             Some("hot"),

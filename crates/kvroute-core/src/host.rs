@@ -71,6 +71,19 @@ impl SharedData for MemorySharedData {
     }
 }
 
+/// A header value as the filter reads it: text, or absent.
+///
+/// Header values are bytes on the wire (RFC 9110 keeps obs-text, 0x80-0xFF,
+/// and Envoy passes such bytes through), so any client can send a value that
+/// is not UTF-8. kvroute only reads headers it compares as text (session ids,
+/// the ingest token, `:status`, `content-type`), and none of them means
+/// anything when it is not text, so such a value reads as absent. (The
+/// proxy-wasm SDK's own `get_map_value` unwraps this conversion: one such
+/// header trapped the VM. The filter reads bytes and decodes them here.)
+pub fn header_text(raw: Option<Vec<u8>>) -> Option<String> {
+    raw.and_then(|bytes| String::from_utf8(bytes).ok())
+}
+
 /// Counters the filter keeps, each a `kvroute_*` metric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Counter {
@@ -196,5 +209,31 @@ impl Metrics for MemoryMetrics {
     }
     fn gauge(&self, g: Gauge, v: u64) {
         self.gauges.borrow_mut().insert(g.name(), v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_text_is_utf8_or_absent() {
+        assert_eq!(header_text(None), None);
+        assert_eq!(header_text(Some(Vec::new())), Some(String::new()));
+        assert_eq!(
+            header_text(Some(b"session-1".to_vec())),
+            Some("session-1".to_owned())
+        );
+        assert_eq!(
+            header_text(Some("h\u{e9}llo \u{1f642}".as_bytes().to_vec())),
+            Some("h\u{e9}llo \u{1f642}".to_owned())
+        );
+        // What the e2e hostile suite sent in x-session-id: obs-text bytes.
+        assert_eq!(header_text(Some(b"\xff\xfe\x80".to_vec())), None);
+        // A multi-byte sequence cut short, and a lone continuation byte.
+        assert_eq!(header_text(Some(b"abc\xe2\x82".to_vec())), None);
+        assert_eq!(header_text(Some(b"\x80abc".to_vec())), None);
+        // Latin-1 text is not UTF-8 either.
+        assert_eq!(header_text(Some(b"caf\xe9".to_vec())), None);
     }
 }

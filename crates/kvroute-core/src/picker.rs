@@ -43,6 +43,12 @@
 //! request. The least-loaded host is never above the average, so some host
 //! is always admissible.
 //!
+//! The bound has a floor (`loadFloorTokens`, 16384 by default): a host with
+//! no more than that in flight always admits. At light load the average is
+//! a few thousand tokens, and the bound would move conversations off
+//! replicas that clear their queue within a second; the floor keeps them
+//! home, and the MTZ bound takes over as soon as the fleet is busy.
+//!
 //! Fallbacks are the next hosts in preference order after the primary,
 //! admissible ones first: Envoy's retries walk them if the primary fails.
 
@@ -145,7 +151,18 @@ pub struct Pick {
 #[derive(Debug, Clone, Copy)]
 pub struct Bounds {
     pub epsilon: f64,
+    /// A host with at most this many tokens in flight always admits.
+    pub floor: u64,
     pub fallbacks: usize,
+}
+
+impl Bounds {
+    /// The admission bound for a request of `cost` over `n` hosts carrying
+    /// `total` tokens in flight.
+    pub fn cap(&self, total: u64, cost: u64, n: usize) -> f64 {
+        let mtz = (1.0 + self.epsilon) * (total.saturating_add(cost) as f64) / n.max(1) as f64;
+        mtz.max(self.floor as f64)
+    }
 }
 
 fn load_of(loads: &[u64], i: usize) -> u64 {
@@ -161,7 +178,7 @@ pub fn pick(hosts: &HostSet, key: u64, loads: &[u64], cost: u64, bounds: Bounds)
     let total: u64 = (0..hosts.len())
         .map(|i| load_of(loads, i))
         .fold(0, u64::saturating_add);
-    let cap = (1.0 + bounds.epsilon) * (total.saturating_add(cost) as f64) / hosts.len() as f64;
+    let cap = bounds.cap(total, cost, hosts.len());
     let admissible = |i: usize| (load_of(loads, i) as f64) <= cap;
     let primary = match order.iter().copied().find(|&i| admissible(i)) {
         Some(i) => i,
@@ -222,6 +239,7 @@ mod tests {
 
     const B: Bounds = Bounds {
         epsilon: 0.25,
+        floor: 0,
         fallbacks: 2,
     };
 
@@ -260,6 +278,36 @@ mod tests {
         // No host above (1 + eps) x the average plus one request.
         assert!(loads.iter().all(|&l| l <= 15_000), "{loads:?}");
         assert_eq!(loads.iter().sum::<u64>(), 40_000);
+    }
+
+    #[test]
+    fn below_the_floor_a_key_stays_home() {
+        let h = hosts(4);
+        let order = preference_order(&h, 42);
+        let floored = Bounds { floor: 16_384, ..B };
+        let mut loads = vec![0u64; 4];
+        for _ in 0..3 {
+            let p = pick(&h, 42, &loads, 5000, floored).unwrap();
+            assert_eq!(p.primary, order[0], "{loads:?}");
+            assert!(!p.spilled);
+            loads[p.primary] += 5000;
+        }
+        // 15000 in flight: still under the floor. Without it, the second
+        // request would already have spilled.
+        assert_eq!(
+            pick(&h, 42, &loads, 5000, floored).unwrap().primary,
+            order[0]
+        );
+        assert!(pick(&h, 42, &[5000, 5000, 5000, 5000], 5000, B).is_some());
+        let mut one = vec![0u64; 4];
+        one[order[0]] = 5000;
+        assert_ne!(pick(&h, 42, &one, 5000, B).unwrap().primary, order[0]);
+        // Over the floor, the MTZ bound applies again.
+        loads[order[0]] = 20_000;
+        assert_ne!(
+            pick(&h, 42, &loads, 5000, floored).unwrap().primary,
+            order[0]
+        );
     }
 
     #[test]
@@ -323,7 +371,7 @@ mod tests {
         #[test]
         fn bounded_load_holds(n in 1usize..32, eps in 0.05f64..2.0, reqs in prop::collection::vec((any::<u64>(), 1u64..20_000), 1..300)) {
             let h = hosts(n);
-            let bounds = Bounds { epsilon: eps, fallbacks: 3 };
+            let bounds = Bounds { epsilon: eps, floor: 0, fallbacks: 3 };
             let mut loads = vec![0u64; n];
             for (key, cost) in reqs {
                 let p = pick(&h, key, &loads, cost, bounds).unwrap();
@@ -347,7 +395,7 @@ mod tests {
         #[test]
         fn fallbacks_are_distinct_and_exclude_primary(n in 1usize..40, key in any::<u64>(), f in 0usize..17, loads in prop::collection::vec(0u64..10_000, 0..40)) {
             let h = hosts(n);
-            let p = pick(&h, key, &loads, 100, Bounds { epsilon: 0.25, fallbacks: f }).unwrap();
+            let p = pick(&h, key, &loads, 100, Bounds { epsilon: 0.25, floor: 0, fallbacks: f }).unwrap();
             prop_assert_eq!(p.fallbacks.len(), f.min(n - 1));
             let mut all = p.fallbacks.clone();
             all.push(p.primary);

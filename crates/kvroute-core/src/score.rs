@@ -98,7 +98,7 @@ pub fn pick_scored(
     let first = *ord.first()?;
     let load = |k: usize| cands.get(k).map_or(0, |c| c.load);
     let total = cands.iter().map(|c| c.load).fold(0u64, u64::saturating_add);
-    let cap = (1.0 + bounds.epsilon) * (total.saturating_add(cost) as f64) / cands.len() as f64;
+    let cap = bounds.cap(total, cost, cands.len());
     // The admission test of picker::pick (the request's own cost only in
     // the average; see there why). The least-loaded fallback only covers
     // float rounding.
@@ -141,6 +141,7 @@ mod tests {
 
     const B: Bounds = Bounds {
         epsilon: 0.25,
+        floor: 0,
         fallbacks: 2,
     };
 
@@ -190,7 +191,7 @@ mod tests {
         #[test]
         fn fallbacks_distinct_and_order_total(scores in prop::collection::vec((-5.0f64..5.0, any::<bool>(), 0u64..10_000), 1..40), key in any::<u64>()) {
             let c: Vec<Candidate> = scores.iter().enumerate().map(|(i, &(s, p, l))| cand(i * 3, s, p, l)).collect();
-            let p = pick_scored(&c, key, 500, 0.05, Bounds { epsilon: 0.25, fallbacks: 4 }).unwrap();
+            let p = pick_scored(&c, key, 500, 0.05, Bounds { epsilon: 0.25, floor: 0, fallbacks: 4 }).unwrap();
             let mut all = p.fallbacks.clone();
             all.push(p.primary);
             let n = all.len();
@@ -199,7 +200,7 @@ mod tests {
             prop_assert_eq!(all.len(), n);
             prop_assert_eq!(p.fallbacks.len(), 4.min(c.len() - 1));
             // Deterministic.
-            prop_assert_eq!(pick_scored(&c, key, 500, 0.05, Bounds { epsilon: 0.25, fallbacks: 4 }), Some(p));
+            prop_assert_eq!(pick_scored(&c, key, 500, 0.05, Bounds { epsilon: 0.25, floor: 0, fallbacks: 4 }), Some(p));
         }
     }
 }

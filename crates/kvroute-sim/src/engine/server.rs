@@ -166,6 +166,9 @@ struct Engine {
     error_until: AtomicU64,
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn: AtomicU64,
+    /// Modelled microseconds the scheduler fell behind the clock while it
+    /// had work (the machine could not keep up with the time scale).
+    lag_us: AtomicU64,
 }
 
 impl Engine {
@@ -287,6 +290,7 @@ impl EngineFleet {
                 error_until: AtomicU64::new(0),
                 conns: Mutex::new(HashMap::new()),
                 next_conn: AtomicU64::new(0),
+                lag_us: AtomicU64::new(0),
             });
             let e = Arc::clone(&engine);
             fleet.threads.push(
@@ -353,6 +357,8 @@ impl EngineFleet {
 
 fn run_scheduler(e: &Engine) {
     let mut vend = 0.0f64;
+    // Whether the last step left work behind (so a late start is lag, not idling).
+    let mut pending = false;
     loop {
         let out = {
             let mut core = e.lock();
@@ -380,11 +386,17 @@ fn run_scheduler(e: &Engine) {
             // Back to back while busy (so real sleep overheads do not add
             // up), from the clock after idling or when falling behind.
             let start = if now - vend > MAX_LAG_S {
+                if pending {
+                    let late = ((now - vend) * 1e6) as u64;
+                    e.lag_us.fetch_add(late, Ordering::Relaxed);
+                }
                 now
             } else {
                 vend.max(core.last_arrival.min(now))
             };
-            core.sched.step(start)
+            let out = core.sched.step(start);
+            pending = core.sched.has_work();
+            out
         };
         let Some(out) = out else {
             continue;
@@ -776,7 +788,14 @@ fn health(e: &Engine, _: &Request<'_>) -> Reply {
 fn metrics_text(e: &Engine, _: &Request<'_>) -> Reply {
     let text = {
         let core = e.lock();
-        metrics::render(e.model(), &core.sched.gauges(), core.sched.stats())
+        let mut text = metrics::render(e.model(), &core.sched.gauges(), core.sched.stats());
+        let lag = e.lag_us.load(Ordering::Relaxed) as f64 / 1e6;
+        text.push_str(&format!(
+            "# HELP kvroute_sim_lag_seconds_total Modelled seconds the scheduler fell behind the clock while busy (the host could not keep up with --time-scale).\n\
+             # TYPE kvroute_sim_lag_seconds_total counter\n\
+             kvroute_sim_lag_seconds_total {lag}\n"
+        ));
+        text
     };
     Reply {
         status: "200 OK",
@@ -933,6 +952,7 @@ fn sim_fault(e: &Engine, req: &Request<'_>) -> Reply {
 
 fn sim_reset(e: &Engine, _: &Request<'_>) -> Reply {
     e.lock().sched.reset();
+    e.lag_us.store(0, Ordering::Relaxed);
     Reply::ok_json(&json!({"reset": true}))
 }
 
