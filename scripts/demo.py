@@ -242,7 +242,7 @@ def compare(keep: bool) -> int:
 
     out = Path(tempfile.mkdtemp(prefix="kvroute-demo-"))
     if bench.DEFAULT_TRACE.is_file():
-        workload = ["--workload", "trace", "--window", "0:60", "--rate", "1"]
+        workload = ["--workload", "trace", "--window", "600:690", "--rate", "1.5"]
     else:
         workload = ["--workload", "groups", "--workload-arg=--group-requests=300", "--workload-arg=--group-rate=5"]
     print("kvroute demo: the same workload through Envoy round robin, then Envoy + kvroute, "
