@@ -199,12 +199,34 @@ bench-smoke: bench-tools build bench-build
 bench-decide:
 	$(CARGO) bench -p kvroute-core --bench decide
 
+# The same decision in Wasm (V8, under Node's WASI) against native, one
+# session: crates/kvroute-core/examples/decide_timing.rs built for both
+# targets, run alternately DECIDE_ROUNDS times, then wasm/native per case
+# (the target is <= 2x at 128 KB). DECIDE_ARGS=--quick for short batches.
+DECIDE_ROUNDS ?= 3
+DECIDE_ARGS   ?=
+DECIDE_OUT    := target/bench-decide-wasm
+.PHONY: bench-decide-wasm
+bench-decide-wasm: targets
+	$(CARGO) build --release -p kvroute-core --example decide_timing
+	$(CARGO) build --release -p kvroute-core --example decide_timing --target wasm32-wasip1
+	@mkdir -p $(DECIDE_OUT) && rm -f $(DECIDE_OUT)/native.jsonl $(DECIDE_OUT)/wasm.jsonl
+	@for r in $$(seq $(DECIDE_ROUNDS)); do \
+	  echo "round $$r/$(DECIDE_ROUNDS): native, then wasm32 (node $$(node --version))"; \
+	  target/release/examples/decide_timing $(DECIDE_ARGS) >> $(DECIDE_OUT)/native.jsonl || exit 1; \
+	  node --no-warnings scripts/run_wasi.mjs target/wasm32-wasip1/release/examples/decide_timing.wasm \
+	    $(DECIDE_ARGS) >> $(DECIDE_OUT)/wasm.jsonl || exit 1; \
+	done
+	@node --no-warnings scripts/run_wasi.mjs --compare $(DECIDE_OUT)/native.jsonl $(DECIDE_OUT)/wasm.jsonl
+
 # Gateway overhead (docs/benchmarks.md#gateway-overhead): plain Envoy vs
-# Envoy + a no-op Wasm filter vs Envoy + kvroute, wrk against null engines.
-# Installs wrk (apt, as root) if missing; a few minutes. BENCH_ARGS=--quick
-# for a tiny run that leaves docs/ alone.
-BENCH_ARGS ?= --write-docs
-bench-overhead: venv targets
+# Envoy + a no-op Wasm filter vs Envoy + kvroute vs sglang-router and
+# vllm-router (cache_aware), wrk against null engines, then the Wasm linear
+# memory over 1M requests. Installs wrk (apt, as root) if missing; about ten
+# minutes. BENCH_ARGS=--quick for a tiny run that leaves docs/ alone (without
+# --require-peers, a peer that is not installed is skipped with a note).
+BENCH_ARGS ?= --write-docs --require-peers
+bench-overhead: venv targets bench-tools
 	$(PY) scripts/bench_overhead.py $(BENCH_ARGS)
 
 ## --- fuzzing (docs/reliability.md#fuzzing) --------------------------------
@@ -215,7 +237,7 @@ bench-overhead: venv targets
 # entries go to fuzz/corpus-work/<target> (not committed), the seeds stay in
 # fuzz/corpus/<target>, crashes land in fuzz/artifacts/<target>/. Not part of
 # `make test`: the instrumented build alone takes minutes.
-# FUZZ_SANITIZER=address builds with AddressSanitizer instead (about 10x
+# FUZZ_SANITIZER=address builds with AddressSanitizer instead (about 7x
 # fewer executions per second; on the stable toolchain it needs
 # RUSTC_BOOTSTRAP=1, which is set only then). FUZZ_ARGS: extra libFuzzer
 # flags, e.g. FUZZ_ARGS=-runs=10000000.

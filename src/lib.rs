@@ -47,6 +47,9 @@ struct Shared {
     config: Config,
     metrics: HostMetrics,
     fleet: RefCell<FleetCache>,
+    /// Output-length priors read recently (at most one read per model per
+    /// second on the request path).
+    priors: RefCell<usage::PriorCache>,
 }
 
 /// The gateway's clock in Unix milliseconds (0 if the host refuses).
@@ -162,6 +165,7 @@ impl RootContext for Root {
                     config,
                     metrics: HostMetrics::define(),
                     fleet: RefCell::new(FleetCache::default()),
+                    priors: RefCell::new(usage::PriorCache::default()),
                 }));
                 true
             }
@@ -301,7 +305,15 @@ impl Stream {
             None => Err(Unparsed::NotInference),
         };
         if let Ok(f) = facts.as_mut() {
-            decide::apply_prior(&self.shared.config, &HostSharedData, f);
+            let prior = self.shared.priors.try_borrow_mut().ok().and_then(|mut c| {
+                c.get(
+                    &HostSharedData,
+                    &self.shared.config.shared_data_prefix,
+                    &f.model,
+                    now_ms(),
+                )
+            });
+            decide::apply_prior_value(f, prior);
             self.model = Some(f.model.clone());
         }
         self.decide(facts)
@@ -399,8 +411,12 @@ impl HttpContext for Stream {
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         // First response byte: the prompt has been prefilled.
         self.release(true);
-        let ok = map_value(MapType::HttpResponseHeaders, ":status").is_some_and(|s| s == "200");
-        if self.model.is_some() && ok {
+        // A sample of the responses teaches the output-length prior (each
+        // read is host calls; see usage::OBSERVE_EVERY).
+        if self.model.is_some()
+            && usage::observed(self.id)
+            && map_value(MapType::HttpResponseHeaders, ":status").is_some_and(|s| s == "200")
+        {
             let ct = map_value(MapType::HttpResponseHeaders, "content-type");
             self.tracker = Tracker::for_content_type(ct.as_deref());
         }

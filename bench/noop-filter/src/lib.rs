@@ -7,30 +7,77 @@
 //! body, and continue at the end of the stream. The difference between it and
 //! plain Envoy is the cost of the Wasm VM plus body buffering; the difference
 //! between it and kvroute is kvroute's own work.
+//!
+//! For measuring what a host call costs, its configuration may be
+//! `probe:N:BYTES`: then each request, at the end of its body, also makes N
+//! `get_shared_data` calls on a value of BYTES bytes (stored at start-up),
+//! the kind of call kvroute's load table and prefix index make. Any other
+//! configuration (kvroute's JSON included) means no probe calls.
 
+use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, LogLevel};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel};
+
+/// Shared-data key of the probe value.
+const PROBE_KEY: &str = "kvroute-noop.probe";
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Warn);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root) });
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { probes: 0 }) });
 }}
 
-struct Root;
+struct Root {
+    /// `get_shared_data` calls per request (0: a pure no-op).
+    probes: u32,
+}
 
 impl Context for Root {}
 
+/// `probe:N:BYTES` as (N, BYTES); anything else is no probe.
+fn parse_probe(config: &[u8]) -> Option<(u32, usize)> {
+    let text = std::str::from_utf8(config).ok()?;
+    let mut parts = text.trim().strip_prefix("probe:")?.split(':');
+    let n = parts.next()?.parse().ok()?;
+    let bytes = parts.next()?.parse().ok()?;
+    Some((n, bytes))
+}
+
 impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let config = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        if let Some((n, bytes)) = parse_probe(&config) {
+            if hostcalls::set_shared_data(PROBE_KEY, Some(&vec![7u8; bytes]), None).is_ok() {
+                self.probes = n;
+            }
+        }
+        true
+    }
+
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Stream))
+        Some(Box::new(Stream {
+            probes: self.probes,
+        }))
     }
 }
 
-struct Stream;
+struct Stream {
+    probes: u32,
+}
+
+impl Stream {
+    fn probe(&self) {
+        for _ in 0..self.probes {
+            let _ = hostcalls::get_shared_data(PROBE_KEY);
+        }
+    }
+}
 
 impl Context for Stream {}
 
@@ -46,6 +93,7 @@ impl HttpContext for Stream {
 
     fn on_http_request_body(&mut self, _body_size: usize, end_of_stream: bool) -> Action {
         if end_of_stream {
+            self.probe();
             Action::Continue
         } else {
             Action::Pause

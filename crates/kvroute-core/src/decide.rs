@@ -36,7 +36,7 @@ use crate::config::Config;
 use crate::fleet::FleetView;
 use crate::hash::{model_seed, BlockHasher};
 use crate::host::{Counter, Gauge, Metrics, SharedData};
-use crate::index::Index;
+use crate::index::{Index, Seen};
 use crate::load::{self, Charge, LoadTable};
 use crate::picker::{self, Bounds, HostSet, Pick};
 use crate::request::{self, CanonicalSink, Endpoint, ParseError};
@@ -230,7 +230,9 @@ pub fn analyze(
     let seed = model_seed(parsed.model.as_deref().unwrap_or(""));
     let mut sink = Sink {
         hasher: BlockHasher::new(seed, cfg.block_bytes, cfg.max_blocks),
-        cut: (cfg.affinity_blocks * cfg.block_bytes) as u64,
+        // In u64: on wasm32 the product of two allowed values (65536 each)
+        // would wrap usize to 0 (found by reading for the fuzz campaign).
+        cut: (cfg.affinity_blocks as u64).saturating_mul(cfg.block_bytes as u64),
         key: None,
         text_bytes: 0,
         token_ids: 0,
@@ -263,7 +265,16 @@ pub fn analyze(
 /// Replaces the output-token estimate with the model's learned prior when
 /// the client asks for far more than the model typically produces.
 pub fn apply_prior(cfg: &Config, store: &dyn SharedData, facts: &mut Facts) {
-    if let Some(prior) = usage::read(store, &cfg.shared_data_prefix, &facts.model) {
+    apply_prior_value(
+        facts,
+        usage::read(store, &cfg.shared_data_prefix, &facts.model),
+    );
+}
+
+/// [`apply_prior`] with a prior already read (e.g. from a
+/// [`usage::PriorCache`]).
+pub fn apply_prior_value(facts: &mut Facts, prior: Option<usage::Prior>) {
+    if let Some(prior) = prior {
         facts.output_tokens = prior.estimate(facts.output_tokens);
     }
 }
@@ -481,9 +492,9 @@ pub fn route(
                 ttl_ms: cfg.fleet.prefix_ttl_ms,
                 key_prefix: &cfg.fleet.index_key_prefix,
             });
-            let hits = match (index, fleet) {
-                (Some(ix), Some(f)) => ix.lookup(store, &facts.blocks, f.now_ms),
-                _ => Vec::new(),
+            let (hits, seen) = match (index, fleet) {
+                (Some(ix), Some(f)) => ix.lookup_seen(store, &facts.blocks, f.now_ms),
+                _ => (Vec::new(), Seen::default()),
             };
             let decide = |table: &LoadTable| match fleet {
                 Some(f) => pick_fleet(cfg, facts, f.view, table, &hits, f.now_ms),
@@ -511,7 +522,7 @@ pub fn route(
             };
             if let (Some(ix), Some(f), Some(p)) = (index, fleet, d.pick.as_ref()) {
                 if let Some(h) = f.view.set.get(p.primary) {
-                    ix.record(store, &facts.blocks, h.id, f.now_ms);
+                    ix.record_after(store, &facts.blocks, h.id, f.now_ms, &seen);
                 }
             }
             d

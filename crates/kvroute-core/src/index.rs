@@ -35,6 +35,11 @@ pub struct Index<'a> {
     pub key_prefix: &'a str,
 }
 
+/// What a lookup read at each sampled position (`None`: no live entry for
+/// that block).
+#[derive(Debug, Clone, Default)]
+pub struct Seen(Vec<(usize, Option<Entry>)>);
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Entry {
     block: u64,
@@ -102,7 +107,19 @@ impl Index<'_> {
     /// Blocks of `blocks` that each host was sent, as `(host id, blocks)`,
     /// one pair per host found.
     pub fn lookup(&self, store: &dyn SharedData, blocks: &[u64], now_ms: u64) -> Vec<(u64, u32)> {
+        self.lookup_seen(store, blocks, now_ms).0
+    }
+
+    /// [`Index::lookup`], plus what it read at each sampled position, for
+    /// [`Index::record_after`].
+    pub fn lookup_seen(
+        &self,
+        store: &dyn SharedData,
+        blocks: &[u64],
+        now_ms: u64,
+    ) -> (Vec<(u64, u32)>, Seen) {
         let mut found: Vec<(u64, u32)> = Vec::new();
+        let mut seen = Seen(Vec::new());
         let mut note = |host: u64, depth: u32| match found.iter_mut().find(|(h, _)| *h == host) {
             Some((_, d)) => *d = (*d).max(depth),
             None => found.push((host, depth)),
@@ -112,7 +129,9 @@ impl Index<'_> {
             let Some(&block) = blocks.get(p) else {
                 continue;
             };
-            let Some(e) = self.read(store, block, now_ms) else {
+            let entry = self.read(store, block, now_ms);
+            seen.0.push((p, entry));
+            let Some(e) = entry else {
                 continue;
             };
             note(e.host, (p + 1) as u32);
@@ -128,14 +147,43 @@ impl Index<'_> {
                 }
             }
         }
-        found
+        (found, seen)
     }
 
     /// Records that `blocks` were sent to `host`.
     pub fn record(&self, store: &dyn SharedData, blocks: &[u64], host: u64, now_ms: u64) {
+        self.record_after(store, blocks, host, now_ms, &Seen(Vec::new()));
+    }
+
+    /// [`Index::record`], skipping the writes that would change nothing
+    /// that matters: a position whose entry, as `seen` by the lookup just
+    /// before, already names this block and this host and is less than half
+    /// its TTL old. (Its depth may be an older request's; the request's own
+    /// last block is always written, so the full depth stays findable.)
+    /// Each write is a host call, and a repeated prompt or a conversation's
+    /// shared opening would otherwise rewrite the same entries every time.
+    pub fn record_after(
+        &self,
+        store: &dyn SharedData,
+        blocks: &[u64],
+        host: u64,
+        now_ms: u64,
+        seen: &Seen,
+    ) {
         let depth = u32::try_from(blocks.len()).unwrap_or(u32::MAX);
+        let last = blocks.len().saturating_sub(1);
         for p in positions(blocks.len()) {
             if let Some(&block) = blocks.get(p) {
+                let current = seen
+                    .0
+                    .iter()
+                    .find(|(q, _)| *q == p)
+                    .and_then(|(_, e)| *e)
+                    .filter(|e| e.block == block && e.host == host)
+                    .filter(|e| now_ms.saturating_sub(e.at_ms) <= self.ttl_ms / 2);
+                if current.is_some() && (p != last || current.is_some_and(|e| e.depth == depth)) {
+                    continue;
+                }
                 let e = Entry {
                     block,
                     host,
@@ -152,6 +200,59 @@ impl Index<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Counts writes, to see which ones a repeated request skips.
+    #[derive(Default)]
+    struct Counting {
+        inner: crate::host::MemorySharedData,
+        sets: std::cell::Cell<usize>,
+    }
+
+    impl SharedData for Counting {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), crate::host::HostError> {
+            self.inner.get(key)
+        }
+        fn set(
+            &self,
+            key: &str,
+            value: &[u8],
+            cas: Option<u32>,
+        ) -> Result<(), crate::host::SetError> {
+            self.sets.set(self.sets.get() + 1);
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn unchanged_entries_are_not_rewritten() {
+        let store = Counting::default();
+        let blocks = chain(3, 40);
+        let (_, seen) = IX.lookup_seen(&store, &blocks, 0);
+        IX.record_after(&store, &blocks, 7, 0, &seen);
+        let first = store.sets.get();
+        assert_eq!(first, positions(40).len());
+        // The same request again, to the same host: nothing to write.
+        let (hits, seen) = IX.lookup_seen(&store, &blocks, 10);
+        assert_eq!(hits, vec![(7, 40)]);
+        IX.record_after(&store, &blocks, 7, 10, &seen);
+        assert_eq!(store.sets.get(), first);
+        // To another host: every position is rewritten.
+        IX.record_after(&store, &blocks, 8, 10, &seen);
+        assert_eq!(store.sets.get(), 2 * first);
+        // A longer turn of the same conversation finds the full earlier depth,
+        // writes only its new positions and its own last block.
+        let longer = chain(3, 100);
+        let (hits, seen) = IX.lookup_seen(&store, &longer, 20);
+        assert_eq!(hits, vec![(8, 40)]);
+        IX.record_after(&store, &longer, 8, 20, &seen);
+        let (hits, _) = IX.lookup_seen(&store, &longer, 30);
+        assert_eq!(hits, vec![(8, 100)]);
+        // Entries past half their TTL are refreshed.
+        let before = store.sets.get();
+        let (_, seen) = IX.lookup_seen(&store, &longer, IX.ttl_ms / 2 + 100);
+        IX.record_after(&store, &longer, 8, IX.ttl_ms / 2 + 100, &seen);
+        assert!(store.sets.get() > before);
+    }
     use crate::host::MemorySharedData;
 
     const IX: Index = Index {

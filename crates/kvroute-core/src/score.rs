@@ -27,9 +27,10 @@
 //! The KV weight defaults to 0. The snapshot's KV figure is up to a scrape
 //! interval old and nothing corrects it between snapshots, so a KV term in
 //! the order sends every new conversation to the replica that looked
-//! emptiest until the next snapshot. In the `score_sweep` example (8
+//! emptiest until the next snapshot. In the `score_sweep` toy (8
 //! replicas, the Mooncake trace at 12x), any KV weight from 0.25 up raised
-//! TTFT p95 from about 6.6 s to about 42 s. Ordering pressured replicas
+//! TTFT p95 from about 6.6 s to about 42 s; on the realistic simulated
+//! fleet (docs/fleet-state.md) a KV weight of 1 did not help either. Ordering pressured replicas
 //! last, or penalising them, did the same to a lesser degree. The queue
 //! term does not herd, because the gateway's own share of it moves with
 //! every dispatch. KV still acts through the pressure threshold. The

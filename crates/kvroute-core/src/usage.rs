@@ -36,6 +36,56 @@ pub const MIN_SAMPLES: u64 = 20;
 pub const FAR_MORE: f64 = 4.0;
 /// Estimate used then, as a multiple of the mean (answers vary).
 pub const MARGIN: f64 = 2.0;
+/// One response in this many is read to learn the output length. Reading
+/// a response costs a host call per body chunk plus two for the update; the
+/// prior is a slow-moving mean, so a sample of the traffic learns it as well
+/// (after `MIN_SAMPLES` x `OBSERVE_EVERY` responses of a model).
+pub const OBSERVE_EVERY: u32 = 4;
+/// How long a gateway worker reuses a prior it read, in ms.
+pub const PRIOR_CACHE_MS: u64 = 1000;
+/// Models whose priors a worker keeps at once (more: the cache starts over).
+const PRIOR_CACHE_MODELS: usize = 32;
+
+/// Whether the response of the stream with this id is read for the prior.
+pub fn observed(stream_id: u32) -> bool {
+    stream_id % OBSERVE_EVERY == 0
+}
+
+/// A worker's copy of recently read priors, so the request path reads the
+/// shared value at most once per model per [`PRIOR_CACHE_MS`].
+#[derive(Debug, Default)]
+pub struct PriorCache {
+    entries: Vec<(String, Option<Prior>, u64)>,
+}
+
+impl PriorCache {
+    /// The prior of `model`, read again from `store` when the copy is older
+    /// than [`PRIOR_CACHE_MS`] at `now_ms`.
+    pub fn get(
+        &mut self,
+        store: &dyn SharedData,
+        prefix: &str,
+        model: &str,
+        now_ms: u64,
+    ) -> Option<Prior> {
+        if let Some((_, prior, at)) = self.entries.iter().find(|(m, _, _)| m == model) {
+            if now_ms.saturating_sub(*at) < PRIOR_CACHE_MS {
+                return *prior;
+            }
+        }
+        let prior = read(store, prefix, model);
+        match self.entries.iter_mut().find(|(m, _, _)| m == model) {
+            Some(e) => *e = (model.to_owned(), prior, now_ms),
+            None => {
+                if self.entries.len() >= PRIOR_CACHE_MODELS {
+                    self.entries.clear();
+                }
+                self.entries.push((model.to_owned(), prior, now_ms));
+            }
+        }
+        prior
+    }
+}
 
 #[derive(Deserialize)]
 struct WithUsage {
@@ -262,6 +312,26 @@ pub fn observe(store: &dyn SharedData, prefix: &str, model: &str, tokens: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prior_cache_reads_once_per_interval_and_is_bounded() {
+        let store = MemorySharedData::default();
+        let mut cache = PriorCache::default();
+        assert_eq!(cache.get(&store, "kv", "m", 0), None);
+        for _ in 0..MIN_SAMPLES {
+            observe(&store, "kv", "m", 100);
+        }
+        // Still the copy read at 0 ms...
+        assert_eq!(cache.get(&store, "kv", "m", PRIOR_CACHE_MS - 1), None);
+        // ...then the learned prior.
+        let p = cache.get(&store, "kv", "m", PRIOR_CACHE_MS).unwrap();
+        assert_eq!(p.samples, MIN_SAMPLES);
+        for k in 0..3 * PRIOR_CACHE_MODELS {
+            let _ = cache.get(&store, "kv", &format!("model-{k}"), 0);
+        }
+        assert!(cache.entries.len() <= PRIOR_CACHE_MODELS);
+        assert_eq!((0..4 * OBSERVE_EVERY).filter(|&i| observed(i)).count(), 4);
+    }
     use crate::host::MemorySharedData;
 
     #[test]

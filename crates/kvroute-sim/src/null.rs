@@ -12,6 +12,7 @@
 //! | `GET /health` | 200, empty |
 //! | `GET /metrics` | 200, vLLM-style gauges of an idle engine |
 //! | `GET /v1/models` | 200, the one model |
+//! | `POST /v1/chat/completions/render`, `/v1/completions/render`, `/tokenize` | 200, one token id per 4 body bytes (for vllm-router's `cache_aware`) |
 //! | anything else | 404 (405 for a known path with another method) |
 //!
 //! `prompt_tokens` is the body size divided by four, a rough token count;
@@ -214,6 +215,29 @@ fn respond(out: &mut Vec<u8>, head: &Head, body_bytes: u64, engine: &Engine) {
             let body = completion(path == "/v1/chat/completions", &engine.model, body_bytes);
             engine.running.fetch_sub(1, Ordering::Relaxed);
             engine.served.fetch_add(1, Ordering::Relaxed);
+            ("200 OK", "application/json", body)
+        }
+        // vllm-router's cache_aware policy renders every request on every
+        // worker before it routes. The null engine keeps no body, so the
+        // ids are a fixed sequence of the right length (one per 4 bytes):
+        // the router pays for the round trips and the payload, as with vLLM.
+        "/v1/chat/completions/render" | "/v1/completions/render" | "/tokenize" if post => {
+            let n = (body_bytes / 4).max(1);
+            let mut ids = String::with_capacity(usize::try_from(n).unwrap_or(0).saturating_mul(7));
+            for i in 0..n {
+                if i > 0 {
+                    ids.push(',');
+                }
+                ids.push_str(&(i % 128_256).to_string());
+            }
+            let body = if path == "/tokenize" {
+                format!(r#"{{"count":{n},"max_model_len":131072,"tokens":[{ids}]}}"#)
+            } else {
+                format!(
+                    r#"{{"model":{},"token_ids":[{ids}]}}"#,
+                    json_string(&engine.model)
+                )
+            };
             ("200 OK", "application/json", body)
         }
         "/health" if get => ("200 OK", "text/plain", String::new()),
