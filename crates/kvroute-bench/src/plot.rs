@@ -109,10 +109,13 @@ pub fn kv_timeline(runs: &[RunSummary], path: &Path) -> PlotResult {
             .map(|s| s.engines.len())
             .max()
             .unwrap_or(0);
+        // At most ~600 points per line keeps the SVG small.
+        let step = (run.samples.len() / 600).max(1);
         for e in 0..engines {
             let points = run
                 .samples
                 .iter()
+                .step_by(step)
                 .filter_map(|s| s.engines.get(e).copied().flatten().map(|r| (s.t_s, r.kv)));
             chart.draw_series(LineSeries::new(points, colour(e).stroke_width(1)))?;
         }
