@@ -4,7 +4,8 @@
 //! written by hand; there is no HTTP library beyond the head parser.
 
 use std::io::{self, Read, Write};
-use std::net::TcpStream;
+use std::net::{TcpListener, TcpStream};
+use std::thread;
 use std::time::Duration;
 
 /// Largest request head (request line plus headers) accepted.
@@ -335,3 +336,35 @@ pub(crate) fn write_chunk(out: &mut Vec<u8>, data: &[u8]) {
 
 /// The last chunk of a chunked body.
 pub(crate) const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
+
+/// Accepts connections until `stopped()` says so (checked after each
+/// accept: the owner wakes the blocking accept with a connection of its
+/// own), serving each on its own thread named `name`. Accept or spawn
+/// failures (EMFILE and the like) back off instead of spinning.
+pub fn accept_loop<F>(
+    listener: &TcpListener,
+    name: &str,
+    stack_size: usize,
+    stopped: impl Fn() -> bool,
+    serve: F,
+) where
+    F: Fn(TcpStream) + Clone + Send + 'static,
+{
+    for conn in listener.incoming() {
+        if stopped() {
+            break;
+        }
+        let Ok(stream) = conn else {
+            thread::sleep(Duration::from_millis(10));
+            continue;
+        };
+        let serve = serve.clone();
+        let spawned = thread::Builder::new()
+            .name(name.to_owned())
+            .stack_size(stack_size)
+            .spawn(move || serve(stream));
+        if spawned.is_err() {
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+}

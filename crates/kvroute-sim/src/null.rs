@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
-use crate::http::{json_string, Conn, Head, IDLE_TIMEOUT};
+use crate::http::{self, json_string, Conn, Head, IDLE_TIMEOUT};
 
 /// The model every engine serves unless told otherwise.
 pub const DEFAULT_MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
@@ -158,26 +158,16 @@ impl NullFleet {
 }
 
 fn accept_loop(listener: &TcpListener, engine: &Arc<Engine>) {
-    for conn in listener.incoming() {
-        if engine.stop.load(Ordering::SeqCst) {
-            break;
-        }
-        let Ok(stream) = conn else {
-            // EMFILE and the like: back off instead of spinning.
-            thread::sleep(Duration::from_millis(10));
-            continue;
-        };
-        let shared = Arc::clone(engine);
-        let spawned = thread::Builder::new()
-            .name("null-conn".to_owned())
-            .stack_size(256 * 1024)
-            .spawn(move || {
-                let _ = serve(stream, &shared);
-            });
-        if spawned.is_err() {
-            thread::sleep(Duration::from_millis(10));
-        }
-    }
+    let shared = Arc::clone(engine);
+    http::accept_loop(
+        listener,
+        "null-conn",
+        256 * 1024,
+        || engine.stop.load(Ordering::SeqCst),
+        move |stream| {
+            let _ = serve(stream, &shared);
+        },
+    );
 }
 
 fn serve(stream: TcpStream, engine: &Engine) -> io::Result<()> {

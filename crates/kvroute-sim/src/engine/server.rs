@@ -17,7 +17,9 @@ use super::fault::{FaultKind, FaultSpec};
 use super::metrics;
 use super::sched::{NewRequest, Reject, Scheduler, SeqEvent, Summary};
 use super::{chat_prompt, BLOCK_TOKENS};
-use crate::http::{write_chunk, write_response, BodyError, Conn, Head, IDLE_TIMEOUT, LAST_CHUNK};
+use crate::http::{
+    self, write_chunk, write_response, BodyError, Conn, Head, IDLE_TIMEOUT, LAST_CHUNK,
+};
 use crate::null::DEFAULT_MODEL;
 
 /// Largest request body accepted (413 above).
@@ -433,26 +435,16 @@ fn run_scheduler(e: &Engine) {
 }
 
 fn accept_loop(listener: &TcpListener, e: &Arc<Engine>) {
-    for conn in listener.incoming() {
-        if e.is_dead() {
-            break;
-        }
-        let Ok(stream) = conn else {
-            // EMFILE and the like: back off instead of spinning.
-            thread::sleep(Duration::from_millis(10));
-            continue;
-        };
-        let shared = Arc::clone(e);
-        let spawned = thread::Builder::new()
-            .name("engine-conn".to_owned())
-            .stack_size(512 * 1024)
-            .spawn(move || {
-                let _ = serve(stream, &shared);
-            });
-        if spawned.is_err() {
-            thread::sleep(Duration::from_millis(10));
-        }
-    }
+    let shared = Arc::clone(e);
+    http::accept_loop(
+        listener,
+        "engine-conn",
+        512 * 1024,
+        || e.is_dead(),
+        move |stream| {
+            let _ = serve(stream, &shared);
+        },
+    );
 }
 
 fn serve(stream: TcpStream, e: &Engine) -> io::Result<()> {
