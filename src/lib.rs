@@ -9,6 +9,13 @@
 //! retries. The charge is released in two steps: the prompt part at the
 //! first response byte, the rest when the stream ends.
 //!
+//! The request path keeps its host calls few: counters are batched in the
+//! worker and handed to Envoy on its 100 ms tick, and prefix-index reads are
+//! cached per worker for `index::CACHE_MS`. The load table stays exact
+//! (compare-and-swap at the pick and at each release) and each decision reads
+//! the snapshot's version stamp, so every worker sees the others' load and a
+//! pushed snapshot at once.
+//!
 //! Nothing here panics: host calls go through `proxy_wasm::hostcalls`, whose
 //! errors are mapped or skipped, and every malformed input is a fallback
 //! decision plus a counter.
@@ -21,9 +28,9 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use kvroute_core::config::Role;
 use kvroute_core::decide::{self, Decision, FleetInput, Unparsed};
-use kvroute_core::fleet::FleetView;
-use kvroute_core::host::{header_text, Counter, Gauge, Metrics};
+use kvroute_core::host::{header_text, Counter, Gauge, Metrics, Tally};
 use kvroute_core::ingest::{self, FleetCache, Outcome, Refresh, INGEST_PATH};
+use kvroute_core::index::IndexCache;
 use kvroute_core::load::{self, Charge};
 use kvroute_core::usage::{self, Tracker};
 use kvroute_core::{Config, Endpoint};
@@ -41,11 +48,16 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
 
-/// What every stream of this VM shares: the compiled config, metric ids and
-/// the decoded fleet snapshot.
+/// What every stream of this VM (one Envoy worker) shares: the compiled
+/// config, metric ids, the decoded fleet snapshot and the worker's batched
+/// state.
 struct Shared {
     config: Config,
     metrics: HostMetrics,
+    /// Request-path counters, handed to `metrics` on the tick.
+    tally: Tally,
+    /// Prefix-index slots this worker read or wrote recently.
+    index: RefCell<IndexCache>,
     fleet: RefCell<FleetCache>,
     /// Output-length priors read recently (at most one read per model per
     /// second on the request path).
@@ -61,11 +73,11 @@ fn now_ms() -> u64 {
 }
 
 impl Shared {
-    /// The fleet snapshot, decoded again only when a newer one was stored;
-    /// keeps the fleet gauges current.
-    fn fleet(&self, id: u32, now: u64, publish: bool) -> Option<Rc<FleetView>> {
+    /// Looks for a newer fleet snapshot and decodes it; keeps the fleet
+    /// gauges current.
+    fn refresh_fleet(&self, id: u32, now: u64, publish: bool) {
         let Ok(mut cache) = self.fleet.try_borrow_mut() else {
-            return None;
+            return;
         };
         let (view, refresh) = cache.refresh(&self.config, &HostSharedData);
         let m = &self.metrics;
@@ -85,32 +97,24 @@ impl Shared {
         if let (true, Some(v)) = (publish || refresh == Refresh::Decoded, &view) {
             m.gauge(Gauge::SnapshotAgeMs, v.age_ms(now));
         }
-        view
     }
 
-    /// Gauges are published on the tick, not per request: each is a host
-    /// call, and the request path keeps its host calls few.
-    fn publish_gauges(&self) {
+    /// The tick: a newer snapshot, the batched counters handed to the host,
+    /// the gauges.
+    fn tick(&self, now: u64) {
+        self.refresh_fleet(0, now, true);
+        for (c, n) in self.tally.drain() {
+            self.metrics.count(c, n);
+        }
         let (prefill, decode) = load::read(&HostSharedData, &self.config.load_key).totals();
         self.metrics.gauge(Gauge::InflightPrefillTokens, prefill);
         self.metrics.gauge(Gauge::InflightDecodeTokens, decode);
     }
 }
 
-/// The request path's view of the metrics: counters only (see
-/// [`Shared::publish_gauges`]).
-struct Counters<'a>(&'a HostMetrics);
-
-impl Metrics for Counters<'_> {
-    fn count(&self, c: Counter, n: u64) {
-        self.0.count(c, n);
-    }
-
-    fn gauge(&self, _g: Gauge, _v: u64) {}
-}
-
-/// How often a router refreshes its snapshot and publishes its gauges.
-const TICK: Duration = Duration::from_secs(1);
+/// How often a router hands its counters to Envoy, publishes its gauges and
+/// looks for a new snapshot off the request path.
+const TICK: Duration = Duration::from_millis(100);
 
 fn json_reply(status: u32, body: Option<&str>) {
     let headers = match body {
@@ -164,6 +168,8 @@ impl RootContext for Root {
                 self.shared = Some(Rc::new(Shared {
                     config,
                     metrics: HostMetrics::define(),
+                    tally: Tally::default(),
+                    index: RefCell::new(IndexCache::default()),
                     fleet: RefCell::new(FleetCache::default()),
                     priors: RefCell::new(usage::PriorCache::default()),
                 }));
@@ -205,8 +211,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if let Some(shared) = &self.shared {
             if shared.config.role == Role::Router {
-                shared.fleet(0, now_ms(), true);
-                shared.publish_gauges();
+                shared.tick(now_ms());
             }
         }
     }
@@ -242,18 +247,24 @@ fn header(name: &str) -> Option<String> {
 
 impl Stream {
     /// Decides once, sets the destination header, and returns the action.
-    fn decide(&mut self, facts: Result<decide::Facts, Unparsed>) -> Action {
-        let now = now_ms();
-        let view = self.shared.fleet(self.id, now, false);
-        let cfg = &self.shared.config;
+    fn decide(&mut self, facts: Result<decide::Facts, Unparsed>, now: u64) -> Action {
+        let shared = Rc::clone(&self.shared);
+        shared.refresh_fleet(self.id, now, false);
+        let view = shared.fleet.try_borrow().ok().and_then(|c| c.current());
+        let cfg = &shared.config;
+        let Ok(mut cache) = shared.index.try_borrow_mut() else {
+            return Action::Continue;
+        };
         let d = decide::route(
             cfg,
             &HostSharedData,
-            &Counters(&self.shared.metrics),
+            &shared.tally,
+            &mut cache,
             facts.as_ref().map_err(|u| *u),
             view.as_deref().map(|view| FleetInput { view, now_ms: now }),
             u64::from(self.id),
         );
+        drop(cache);
         log::debug!(
             "[{}] kvroute decision reason={} key={:?} targets={:?} degraded={} unparsed={:?}",
             self.id,
@@ -297,8 +308,9 @@ impl Stream {
             Ok(b) => b.unwrap_or_default(),
             Err(_) => Vec::new(),
         };
+        let now = now_ms();
         self.shared
-            .metrics
+            .tally
             .count(Counter::BodyBytes, body.len() as u64);
         let mut facts = match self.endpoint {
             Some(ep) => decide::analyze(&self.shared.config, ep, self.session.as_deref(), &body),
@@ -310,39 +322,33 @@ impl Stream {
                     &HostSharedData,
                     &self.shared.config.shared_data_prefix,
                     &f.model,
-                    now_ms(),
+                    now,
                 )
             });
             decide::apply_prior_value(f, prior);
             self.model = Some(f.model.clone());
         }
-        self.decide(facts)
+        self.decide(facts, now)
     }
 
     fn release(&mut self, prefill_only: bool) {
         let Some(charge) = self.pending else { return };
-        let now = if prefill_only {
-            Charge {
-                decode: 0,
-                ..charge
-            }
+        let (now, later) = if prefill_only {
+            (
+                Charge {
+                    decode: 0,
+                    ..charge
+                },
+                Some(Charge {
+                    prefill: 0,
+                    ..charge
+                }),
+            )
         } else {
-            charge
+            (charge, None)
         };
-        decide::release(
-            &self.shared.config,
-            &HostSharedData,
-            &Counters(&self.shared.metrics),
-            now,
-        );
-        self.pending = if prefill_only {
-            Some(Charge {
-                prefill: 0,
-                ..charge
-            })
-        } else {
-            None
-        };
+        decide::release(&self.shared.config, &HostSharedData, &self.shared.tally, now);
+        self.pending = later;
     }
 }
 
@@ -369,16 +375,16 @@ impl HttpContext for Stream {
         }
         self.endpoint = Endpoint::from_request(&method, &path);
         if self.endpoint.is_none() {
-            return self.decide(Err(Unparsed::NotInference));
+            return self.decide(Err(Unparsed::NotInference), now_ms());
         }
         self.session = cfg.session_headers.iter().find_map(|h| header(h));
         if end_of_stream {
-            return self.decide(Err(Unparsed::Empty));
+            return self.decide(Err(Unparsed::Empty), now_ms());
         }
         // A body declared over the cap is never parsed: decide now and let it
         // stream, rather than hold a first piece (see declared_over_cap).
         if decide::declared_over_cap(header("content-length").as_deref(), cfg.max_body_bytes) {
-            return self.decide(Err(Unparsed::TooLarge));
+            return self.decide(Err(Unparsed::TooLarge), now_ms());
         }
         // Hold the headers until the body is in.
         Action::Pause
@@ -391,9 +397,9 @@ impl HttpContext for Stream {
         self.body_size = body_size;
         if body_size > self.shared.config.max_body_bytes {
             self.shared
-                .metrics
+                .tally
                 .count(Counter::BodyBytes, body_size as u64);
-            return self.decide(Err(Unparsed::TooLarge));
+            return self.decide(Err(Unparsed::TooLarge), now_ms());
         }
         if !end_of_stream {
             return Action::Pause;

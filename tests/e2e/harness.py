@@ -676,13 +676,30 @@ class Envoy:
     def prometheus(self) -> str:
         return self.admin("/stats/prometheus")
 
-    def kvroute_metrics(self) -> dict[str, float]:
+    def kvroute_metrics(self, settle: float = 3.0) -> dict[str, float]:
         """kvroute_* samples from /stats/prometheus: {'name' or 'name{labels}': value}.
 
         Envoy 1.40 exports a proxy-wasm metric `kvroute_x` (internally
         `wasmcustom.kvroute_x`) under its own name, without the envoy_ prefix.
+
+        The filter keeps its counters in each worker and hands them to Envoy
+        on the worker's 100 ms tick, so a request's counts appear up to a
+        tick after its answer. This reads until the counters of two reads 0.25 s
+        apart agree (at most `settle` seconds; gauges such as the snapshot
+        age move on every tick), so callers see every request made so far.
         """
-        return parse_prometheus(self.prometheus(), prefix="kvroute")
+        def counters(m: dict[str, float]) -> dict[str, float]:
+            return {k: v for k, v in m.items() if k.split("{")[0].endswith("_total")}
+
+        deadline = time.monotonic() + settle
+        last = parse_prometheus(self.prometheus(), prefix="kvroute")
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            now = parse_prometheus(self.prometheus(), prefix="kvroute")
+            if counters(now) == counters(last):
+                return now
+            last = now
+        return last
 
 
 def parse_prometheus(text: str, prefix: str = "") -> dict[str, float]:

@@ -36,7 +36,7 @@ use crate::config::Config;
 use crate::fleet::FleetView;
 use crate::hash::{model_seed, BlockHasher};
 use crate::host::{Counter, Gauge, Metrics, SharedData};
-use crate::index::{Index, Seen};
+use crate::index::{Index, IndexCache, Seen};
 use crate::load::{self, Charge, LoadTable};
 use crate::picker::{self, Bounds, HostSet, Pick};
 use crate::request::{self, CanonicalSink, Endpoint, ParseError};
@@ -476,11 +476,13 @@ pub struct FleetInput<'a> {
 /// With a fleet snapshot the snapshot's replicas are scored
 /// ([`pick_fleet`]) and the request's prefix is recorded in the prefix index
 /// under its primary; without one, the foundation pick over the configured
-/// hosts runs ([`pick_for`]).
+/// hosts runs ([`pick_for`]). `cache` is the worker's copy of recently read
+/// index slots.
 pub fn route(
     cfg: &Config,
     store: &dyn SharedData,
     metrics: &dyn Metrics,
+    cache: &mut IndexCache,
     facts: Result<&Facts, Unparsed>,
     fleet: Option<FleetInput<'_>>,
     tiebreak: u64,
@@ -493,7 +495,7 @@ pub fn route(
                 key_prefix: &cfg.fleet.index_key_prefix,
             });
             let (hits, seen) = match (index, fleet) {
-                (Some(ix), Some(f)) => ix.lookup_seen(store, &facts.blocks, f.now_ms),
+                (Some(ix), Some(f)) => ix.lookup_seen(store, cache, &facts.blocks, f.now_ms),
                 _ => (Vec::new(), Seen::default()),
             };
             let decide = |table: &LoadTable| match fleet {
@@ -522,7 +524,7 @@ pub fn route(
             };
             if let (Some(ix), Some(f), Some(p)) = (index, fleet, d.pick.as_ref()) {
                 if let Some(h) = f.view.set.get(p.primary) {
-                    ix.record_after(store, &facts.blocks, h.id, f.now_ms, &seen);
+                    ix.record_after(store, cache, &facts.blocks, h.id, f.now_ms, &seen);
                 }
             }
             d
@@ -755,7 +757,7 @@ mod tests {
             ),
             Some("s"),
         );
-        let d = route(&c, &store, &m, Ok(&f), None, 0);
+        let d = route(&c, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0);
         assert_eq!(d.reason, Reason::Session);
         let charge = d.charge.unwrap();
         assert_eq!((charge.prefill, charge.decode), (f.input_tokens, 50));
@@ -800,8 +802,8 @@ mod tests {
             ),
             Some("hot"),
         );
-        let first = route(&c, &store, &m, Ok(&f), None, 0);
-        let second = route(&c, &store, &m, Ok(&f), None, 0);
+        let first = route(&c, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0);
+        let second = route(&c, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0);
         assert_eq!(first.reason, Reason::Session);
         assert_eq!(second.reason, Reason::Spill);
         let (p1, p2) = (first.pick.unwrap(), second.pick.clone().unwrap());
@@ -823,18 +825,37 @@ mod tests {
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
         let f = facts(&chat(json!([]), json!({})), Some("busy"));
-        let busy = route(&c, &store, &m, Ok(&f), None, 0).pick.unwrap().primary;
+        let busy = route(&c, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0)
+            .pick
+            .unwrap()
+            .primary;
         for tiebreak in 0..8 {
-            let d = route(&c, &store, &m, Err(Unparsed::Invalid), None, tiebreak);
+            let d = route(
+                &c,
+                &store,
+                &m,
+                &mut IndexCache::default(),
+                Err(Unparsed::Invalid),
+                None,
+                tiebreak,
+            );
             assert_eq!(d.reason, Reason::Fallback);
             assert_eq!(d.charge, None);
             assert_ne!(d.pick.unwrap().primary, busy);
         }
         assert_eq!(m.counter(Counter::UnparsedInvalid), 8);
         assert_eq!(
-            explain(&route(&c, &store, &m, Err(Unparsed::Empty), None, 0))
-                .split("; ")
-                .nth(2),
+            explain(&route(
+                &c,
+                &store,
+                &m,
+                &mut IndexCache::default(),
+                Err(Unparsed::Empty),
+                None,
+                0
+            ))
+            .split("; ")
+            .nth(2),
             Some("key=-")
         );
     }
@@ -888,6 +909,7 @@ mod tests {
             &cfg(),
             &store,
             &m,
+            &mut IndexCache::default(),
             Ok(f),
             Some(FleetInput {
                 view: v,
@@ -958,6 +980,7 @@ mod tests {
             &c,
             &store,
             &m,
+            &mut IndexCache::default(),
             Ok(&f),
             Some(FleetInput {
                 view: &calm,
@@ -984,6 +1007,7 @@ mod tests {
             &c,
             &store,
             &m,
+            &mut IndexCache::default(),
             Ok(&f),
             Some(FleetInput {
                 view: &busy,
@@ -1005,6 +1029,7 @@ mod tests {
             &c,
             &store,
             &m,
+            &mut IndexCache::default(),
             Ok(&f),
             Some(FleetInput {
                 view: &hot,
@@ -1026,6 +1051,7 @@ mod tests {
             &c,
             &store,
             &m,
+            &mut IndexCache::default(),
             Ok(&new),
             Some(FleetInput {
                 view: &busy,
@@ -1054,6 +1080,7 @@ mod tests {
                 &c,
                 &store,
                 &m,
+                &mut IndexCache::default(),
                 Err(Unparsed::NotInference),
                 Some(FleetInput {
                     view: &v,
@@ -1074,7 +1101,7 @@ mod tests {
         store.set(&c.load_key, b"KVL1", None).unwrap();
         store.conflicts.set(usize::MAX);
         let f = facts(&chat(json!([]), json!({})), Some("s"));
-        let d = route(&c, &store, &m, Ok(&f), None, 0);
+        let d = route(&c, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0);
         assert_eq!(d.reason, Reason::Session);
         assert_eq!(d.charge, None);
         assert_eq!(m.counter(Counter::LoadUpdateFailed), 1);

@@ -190,6 +190,43 @@ pub trait Metrics {
     fn gauge(&self, g: Gauge, v: u64);
 }
 
+/// Counts kept in the VM and handed to the host in batches.
+///
+/// Each counter increment is a host call; the request path makes two or
+/// three. A worker counts here and flushes on its sync (at most every few
+/// ms while busy, and on its tick when quiet), so Envoy's counters lag by
+/// at most a tick. Gauges are not batched: the filter only sets them on the
+/// tick.
+#[derive(Debug, Default)]
+pub struct Tally {
+    counts: [Cell<u64>; Counter::ALL.len()],
+}
+
+impl Tally {
+    /// The counts since the last drain, non-zero ones only, and zeroed.
+    pub fn drain(&self) -> Vec<(Counter, u64)> {
+        Counter::ALL
+            .iter()
+            .zip(&self.counts)
+            .filter_map(|(c, n)| Some((*c, n.take())).filter(|(_, n)| *n > 0))
+            .collect()
+    }
+}
+
+impl Metrics for Tally {
+    fn count(&self, c: Counter, n: u64) {
+        if let Some(cell) = Counter::ALL
+            .iter()
+            .position(|x| *x == c)
+            .and_then(|i| self.counts.get(i))
+        {
+            cell.set(cell.get().saturating_add(n));
+        }
+    }
+
+    fn gauge(&self, _g: Gauge, _v: u64) {}
+}
+
 /// Records metrics in memory, for tests.
 #[derive(Default)]
 pub struct MemoryMetrics {
@@ -215,6 +252,29 @@ impl Metrics for MemoryMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tally_batches_counts_until_drained() {
+        let t = Tally::default();
+        assert!(t.drain().is_empty());
+        t.count(Counter::DecisionPrefix, 1);
+        t.count(Counter::BodyBytes, 1024);
+        t.count(Counter::DecisionPrefix, 1);
+        t.count(Counter::SnapshotDecodeFailed, 1);
+        t.gauge(Gauge::FleetHosts, 9);
+        assert_eq!(
+            t.drain(),
+            vec![
+                (Counter::DecisionPrefix, 2),
+                (Counter::BodyBytes, 1024),
+                (Counter::SnapshotDecodeFailed, 1)
+            ]
+        );
+        assert!(t.drain().is_empty(), "drained counts start again from zero");
+        t.count(Counter::BodyBytes, u64::MAX);
+        t.count(Counter::BodyBytes, 5);
+        assert_eq!(t.drain(), vec![(Counter::BodyBytes, u64::MAX)]);
+    }
 
     #[test]
     fn header_text_is_utf8_or_absent() {

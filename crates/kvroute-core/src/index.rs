@@ -22,6 +22,15 @@
 //! Collisions evict (last writer wins); entries older than `ttl_ms` count as
 //! evicted by the engine. An overwritten entry only loses locality
 //! information, never correctness.
+//!
+//! Each read is a host call, so a worker keeps what it read or wrote in an
+//! [`IndexCache`] for [`CACHE_MS`]: a hot prefix (a shared system prompt, a
+//! burst of one agent's calls) is read from shared data a few times a
+//! second per worker rather than on every request. An entry is a fact ("this
+//! block was sent to this host at this time"), so a cached one stays true;
+//! what the cache can miss, for at most [`CACHE_MS`], is another worker's
+//! newer write to the same slot. Conversations come back seconds apart, so
+//! their next turn reads the shared index.
 
 use crate::host::SharedData;
 
@@ -71,6 +80,50 @@ impl Entry {
     }
 }
 
+/// How long a worker trusts its copy of an index slot.
+pub const CACHE_MS: u64 = 250;
+/// Slots a worker keeps a copy of (direct-mapped; about 48 bytes each).
+pub const CACHE_LINES: usize = 1024;
+
+#[derive(Debug, Clone, Copy)]
+struct Line {
+    slot: u64,
+    entry: Option<Entry>,
+    at_ms: u64,
+}
+
+/// A worker's copy of the index slots it read or wrote recently.
+#[derive(Debug, Clone, Default)]
+pub struct IndexCache {
+    lines: Vec<Option<Line>>,
+}
+
+impl IndexCache {
+    fn line(slot: u64) -> usize {
+        (slot % CACHE_LINES as u64) as usize
+    }
+
+    /// The slot's value as last read or written, if that was recent.
+    fn get(&self, slot: u64, now_ms: u64) -> Option<Option<Entry>> {
+        let l = self.lines.get(Self::line(slot)).copied().flatten()?;
+        let recent = l.slot == slot && now_ms >= l.at_ms && now_ms - l.at_ms < CACHE_MS;
+        recent.then_some(l.entry)
+    }
+
+    fn put(&mut self, slot: u64, entry: Option<Entry>, now_ms: u64) {
+        if self.lines.is_empty() {
+            self.lines = vec![None; CACHE_LINES];
+        }
+        if let Some(l) = self.lines.get_mut(Self::line(slot)) {
+            *l = Some(Line {
+                slot,
+                entry,
+                at_ms: now_ms,
+            });
+        }
+    }
+}
+
 /// Sampled positions for a request of `n` blocks, deepest first.
 pub fn positions(n: usize) -> Vec<usize> {
     let mut out: Vec<usize> = Vec::new();
@@ -93,13 +146,34 @@ pub fn positions(n: usize) -> Vec<usize> {
 }
 
 impl Index<'_> {
-    fn key(&self, block: u64) -> String {
-        format!("{}{:x}", self.key_prefix, block % self.slots.max(1))
+    fn slot(&self, block: u64) -> u64 {
+        block % self.slots.max(1)
     }
 
-    fn read(&self, store: &dyn SharedData, block: u64, now_ms: u64) -> Option<Entry> {
-        let (value, _) = store.get(&self.key(block)).ok()?;
-        let e = Entry::decode(&value?)?;
+    fn key(&self, block: u64) -> String {
+        format!("{}{:x}", self.key_prefix, self.slot(block))
+    }
+
+    fn read(
+        &self,
+        store: &dyn SharedData,
+        cache: &mut IndexCache,
+        block: u64,
+        now_ms: u64,
+    ) -> Option<Entry> {
+        let slot = self.slot(block);
+        let stored = match cache.get(slot, now_ms) {
+            Some(entry) => entry,
+            None => {
+                let entry = match store.get(&self.key(block)) {
+                    Ok((Some(v), _)) => Entry::decode(&v),
+                    _ => None,
+                };
+                cache.put(slot, entry, now_ms);
+                entry
+            }
+        };
+        let e = stored?;
         let fresh = now_ms.saturating_sub(e.at_ms) <= self.ttl_ms;
         (e.block == block && fresh).then_some(e)
     }
@@ -107,7 +181,8 @@ impl Index<'_> {
     /// Blocks of `blocks` that each host was sent, as `(host id, blocks)`,
     /// one pair per host found.
     pub fn lookup(&self, store: &dyn SharedData, blocks: &[u64], now_ms: u64) -> Vec<(u64, u32)> {
-        self.lookup_seen(store, blocks, now_ms).0
+        self.lookup_seen(store, &mut IndexCache::default(), blocks, now_ms)
+            .0
     }
 
     /// [`Index::lookup`], plus what it read at each sampled position, for
@@ -115,6 +190,7 @@ impl Index<'_> {
     pub fn lookup_seen(
         &self,
         store: &dyn SharedData,
+        cache: &mut IndexCache,
         blocks: &[u64],
         now_ms: u64,
     ) -> (Vec<(u64, u32)>, Seen) {
@@ -129,7 +205,7 @@ impl Index<'_> {
             let Some(&block) = blocks.get(p) else {
                 continue;
             };
-            let entry = self.read(store, block, now_ms);
+            let entry = self.read(store, cache, block, now_ms);
             seen.0.push((p, entry));
             let Some(e) = entry else {
                 continue;
@@ -139,7 +215,7 @@ impl Index<'_> {
             let last = (e.depth as usize).min(n);
             if last > p + 1 {
                 if let Some(&deep) = blocks.get(last - 1) {
-                    if let Some(d) = self.read(store, deep, now_ms) {
+                    if let Some(d) = self.read(store, cache, deep, now_ms) {
                         if d.host == e.host {
                             note(e.host, last as u32);
                         }
@@ -152,7 +228,8 @@ impl Index<'_> {
 
     /// Records that `blocks` were sent to `host`.
     pub fn record(&self, store: &dyn SharedData, blocks: &[u64], host: u64, now_ms: u64) {
-        self.record_after(store, blocks, host, now_ms, &Seen(Vec::new()));
+        let mut cache = IndexCache::default();
+        self.record_after(store, &mut cache, blocks, host, now_ms, &Seen(Vec::new()));
     }
 
     /// [`Index::record`], skipping the writes that would change nothing
@@ -165,6 +242,7 @@ impl Index<'_> {
     pub fn record_after(
         &self,
         store: &dyn SharedData,
+        cache: &mut IndexCache,
         blocks: &[u64],
         host: u64,
         now_ms: u64,
@@ -192,6 +270,7 @@ impl Index<'_> {
                 };
                 // Last writer wins; a lost write only loses a hint.
                 let _ = store.set(&self.key(block), &e.encode(), None);
+                cache.put(self.slot(block), Some(e), now_ms);
             }
         }
     }
@@ -227,30 +306,42 @@ mod tests {
     fn unchanged_entries_are_not_rewritten() {
         let store = Counting::default();
         let blocks = chain(3, 40);
-        let (_, seen) = IX.lookup_seen(&store, &blocks, 0);
-        IX.record_after(&store, &blocks, 7, 0, &seen);
+        let (_, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &blocks, 0);
+        IX.record_after(&store, &mut IndexCache::default(), &blocks, 7, 0, &seen);
         let first = store.sets.get();
         assert_eq!(first, positions(40).len());
         // The same request again, to the same host: nothing to write.
-        let (hits, seen) = IX.lookup_seen(&store, &blocks, 10);
+        let (hits, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &blocks, 10);
         assert_eq!(hits, vec![(7, 40)]);
-        IX.record_after(&store, &blocks, 7, 10, &seen);
+        IX.record_after(&store, &mut IndexCache::default(), &blocks, 7, 10, &seen);
         assert_eq!(store.sets.get(), first);
         // To another host: every position is rewritten.
-        IX.record_after(&store, &blocks, 8, 10, &seen);
+        IX.record_after(&store, &mut IndexCache::default(), &blocks, 8, 10, &seen);
         assert_eq!(store.sets.get(), 2 * first);
         // A longer turn of the same conversation finds the full earlier depth,
         // writes only its new positions and its own last block.
         let longer = chain(3, 100);
-        let (hits, seen) = IX.lookup_seen(&store, &longer, 20);
+        let (hits, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &longer, 20);
         assert_eq!(hits, vec![(8, 40)]);
-        IX.record_after(&store, &longer, 8, 20, &seen);
-        let (hits, _) = IX.lookup_seen(&store, &longer, 30);
+        IX.record_after(&store, &mut IndexCache::default(), &longer, 8, 20, &seen);
+        let (hits, _) = IX.lookup_seen(&store, &mut IndexCache::default(), &longer, 30);
         assert_eq!(hits, vec![(8, 100)]);
         // Entries past half their TTL are refreshed.
         let before = store.sets.get();
-        let (_, seen) = IX.lookup_seen(&store, &longer, IX.ttl_ms / 2 + 100);
-        IX.record_after(&store, &longer, 8, IX.ttl_ms / 2 + 100, &seen);
+        let (_, seen) = IX.lookup_seen(
+            &store,
+            &mut IndexCache::default(),
+            &longer,
+            IX.ttl_ms / 2 + 100,
+        );
+        IX.record_after(
+            &store,
+            &mut IndexCache::default(),
+            &longer,
+            8,
+            IX.ttl_ms / 2 + 100,
+            &seen,
+        );
         assert!(store.sets.get() > before);
     }
     use crate::host::MemorySharedData;
@@ -303,6 +394,72 @@ mod tests {
         assert_eq!(found, vec![(1, 16), (2, 4)]);
         assert!(IX.lookup(&store, &a, 5000).is_empty(), "entries expire");
         assert!(IX.lookup(&store, &chain(9, 16), 5).is_empty());
+    }
+
+    /// Counts reads, to see which ones the cache saves.
+    #[derive(Default)]
+    struct Reads {
+        inner: MemorySharedData,
+        gets: std::cell::Cell<usize>,
+    }
+
+    impl SharedData for Reads {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), crate::host::HostError> {
+            self.gets.set(self.gets.get() + 1);
+            self.inner.get(key)
+        }
+        fn set(
+            &self,
+            key: &str,
+            value: &[u8],
+            cas: Option<u32>,
+        ) -> Result<(), crate::host::SetError> {
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_worker_cache_saves_reads_and_sees_other_workers_after_cache_ms() {
+        let store = Reads::default();
+        let (mut a, mut b) = (IndexCache::default(), IndexCache::default());
+        let blocks = chain(4, 40);
+        // Worker a routes the request to host 7: its own writes are cached.
+        let (_, seen) = IX.lookup_seen(&store, &mut a, &blocks, 0);
+        let cold = store.gets.get();
+        assert_eq!(cold, positions(40).len(), "one read per sampled position");
+        IX.record_after(&store, &mut a, &blocks, 7, 0, &seen);
+        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, 10);
+        assert_eq!(hits, vec![(7, 40)]);
+        assert_eq!(store.gets.get(), cold, "no read while the copy is recent");
+
+        // Worker b sends the same prompt to host 8 (it read the slots itself).
+        let (hits, seen) = IX.lookup_seen(&store, &mut b, &blocks, 20);
+        assert_eq!(hits, vec![(7, 40)]);
+        IX.record_after(&store, &mut b, &blocks, 8, 20, &seen);
+        // a still sees its own fact (true: host 7 was sent these blocks) ...
+        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, CACHE_MS - 1);
+        assert_eq!(hits, vec![(7, 40)]);
+        // ... and b's newer one once its copy is CACHE_MS old.
+        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, CACHE_MS);
+        assert_eq!(hits, vec![(8, 40)]);
+        // A clock that goes back reads the store again.
+        let before = store.gets.get();
+        IX.lookup_seen(&store, &mut a, &blocks, 5);
+        assert!(store.gets.get() > before);
+    }
+
+    #[test]
+    fn the_cache_is_bounded() {
+        let store = MemorySharedData::default();
+        let mut c = IndexCache::default();
+        let big = Index {
+            slots: u64::MAX,
+            ..IX
+        };
+        for r in 0..5_000 {
+            big.record_after(&store, &mut c, &chain(r, 64), r, 0, &Seen::default());
+        }
+        assert_eq!(c.lines.len(), CACHE_LINES);
     }
 
     #[test]

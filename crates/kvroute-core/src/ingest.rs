@@ -207,6 +207,11 @@ pub enum Refresh {
 impl FleetCache {
     /// The current view, reading shared data only when the stamp is newer
     /// than what this VM holds.
+    /// The snapshot in use, without looking for a newer one.
+    pub fn current(&self) -> Option<Rc<FleetView>> {
+        self.view.clone()
+    }
+
     pub fn refresh(
         &mut self,
         cfg: &Config,

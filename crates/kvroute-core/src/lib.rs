@@ -6,6 +6,7 @@
 //! - [`hash`]: chained prefix block hashes over that stream;
 //! - [`picker`]: rendezvous preference order and bounded load;
 //! - [`load`]: the gateway's in-flight token accounting in shared data;
+//! - [`index`]: the gateway's prefix index in shared data;
 //! - [`decide`]: affinity key and cost, and the decision for one request;
 //! - [`config`]: plugin JSON, validated and compiled;
 //! - [`host`]: the narrow host traits (shared data, metrics) and test doubles.
