@@ -280,15 +280,18 @@ impl Index<'_> {
 mod tests {
     use super::*;
 
-    /// Counts writes, to see which ones a repeated request skips.
+    /// Counts reads and writes, to see which ones a repeated request or the
+    /// cache saves.
     #[derive(Default)]
     struct Counting {
         inner: crate::host::MemorySharedData,
+        gets: std::cell::Cell<usize>,
         sets: std::cell::Cell<usize>,
     }
 
     impl SharedData for Counting {
         fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), crate::host::HostError> {
+            self.gets.set(self.gets.get() + 1);
             self.inner.get(key)
         }
         fn set(
@@ -396,31 +399,9 @@ mod tests {
         assert!(IX.lookup(&store, &chain(9, 16), 5).is_empty());
     }
 
-    /// Counts reads, to see which ones the cache saves.
-    #[derive(Default)]
-    struct Reads {
-        inner: MemorySharedData,
-        gets: std::cell::Cell<usize>,
-    }
-
-    impl SharedData for Reads {
-        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), crate::host::HostError> {
-            self.gets.set(self.gets.get() + 1);
-            self.inner.get(key)
-        }
-        fn set(
-            &self,
-            key: &str,
-            value: &[u8],
-            cas: Option<u32>,
-        ) -> Result<(), crate::host::SetError> {
-            self.inner.set(key, value, cas)
-        }
-    }
-
     #[test]
     fn a_worker_cache_saves_reads_and_sees_other_workers_after_cache_ms() {
-        let store = Reads::default();
+        let store = Counting::default();
         let (mut a, mut b) = (IndexCache::default(), IndexCache::default());
         let blocks = chain(4, 40);
         // Worker a routes the request to host 7: its own writes are cached.
