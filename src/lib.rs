@@ -29,8 +29,8 @@ use std::time::{Duration, UNIX_EPOCH};
 use kvroute_core::config::Role;
 use kvroute_core::decide::{self, Decision, FleetInput, Unparsed};
 use kvroute_core::host::{header_text, Counter, Gauge, Metrics, Tally};
-use kvroute_core::ingest::{self, FleetCache, Outcome, Refresh, INGEST_PATH};
 use kvroute_core::index::IndexCache;
+use kvroute_core::ingest::{self, FleetCache, Outcome, Refresh, INGEST_PATH};
 use kvroute_core::load::{self, Charge};
 use kvroute_core::usage::{self, Tracker};
 use kvroute_core::{Config, Endpoint};
@@ -347,7 +347,12 @@ impl Stream {
         } else {
             (charge, None)
         };
-        decide::release(&self.shared.config, &HostSharedData, &self.shared.tally, now);
+        decide::release(
+            &self.shared.config,
+            &HostSharedData,
+            &self.shared.tally,
+            now,
+        );
         self.pending = later;
     }
 }
