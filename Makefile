@@ -34,7 +34,8 @@ COLLECTOR_STATIC := target/$(MUSL_TARGET)/release/kvroute-collector
 CRD_TOOLS   := $(TOOLS)/crd
 
 .PHONY: all build wasm collector tools targets venv wasm-bindgen test test-native test-wasm test-e2e \
-        lint fmt demo up bench bench-smoke bench-tools bench-build bench-decide bench-overhead clean oci oci-tool oci-tools collector-static collector-image crd-tools
+        lint fmt demo up bench bench-smoke bench-tools bench-build bench-decide bench-overhead clean oci oci-tool oci-tools collector-static collector-image crd-tools \
+        faults soak
 
 all: build
 
@@ -228,6 +229,30 @@ bench-decide-wasm: targets
 BENCH_ARGS ?= --write-docs --require-peers
 bench-overhead: venv targets bench-tools
 	$(PY) scripts/bench_overhead.py $(BENCH_ARGS)
+
+## --- faults and soak (docs/reliability.md#faults, #soak) ------------------
+
+# The fault campaign: seven faults (engine dies, stalls, answers 5xx;
+# collector killed and restarted; a second, conflicting collector and stale
+# snapshots; Envoy hot restart; an engine joining), each on a fresh stack of
+# Envoy + kvroute + kvroute-collector + 4 simulated engines under steady
+# load. About 12 minutes. Writes $(FAULTS_OUT)/faults.{json,md} and one SVG
+# per fault. FAULTS_ARGS: e.g. --faults die,join (scripts/faults.py --help).
+# Not part of `make test`.
+FAULTS_OUT  ?= target/faults
+FAULTS_ARGS ?=
+faults: venv build bench-build
+	nice -n 5 $(PY) scripts/faults.py --out $(FAULTS_OUT) $(FAULTS_ARGS)
+
+# The soak: the same stack at the same steady load for SOAK_MINUTES (30),
+# RSS of Envoy and the collector, Envoy's allocated bytes and the Wasm
+# memories sampled every 10 s. Writes $(SOAK_OUT)/soak.{json,md} and plots.
+# Not part of `make test`.
+SOAK_MINUTES ?= 30
+SOAK_OUT     ?= target/soak
+SOAK_ARGS    ?=
+soak: venv build bench-build
+	SOAK_MINUTES=$(SOAK_MINUTES) nice -n 5 $(PY) scripts/soak.py --out $(SOAK_OUT) $(SOAK_ARGS)
 
 ## --- fuzzing (docs/reliability.md#fuzzing) --------------------------------
 

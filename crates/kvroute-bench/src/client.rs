@@ -26,6 +26,9 @@ pub struct Outcome {
     /// The generated text, as streamed.
     pub text: String,
     pub usage: Usage,
+    /// The replica the router named, from kvroute's `x-kvroute-decision`
+    /// response header (`host=`), when the router sends one.
+    pub decided_host: Option<String>,
 }
 
 /// What the final chunk reported (`usage` and the simulator's extension).
@@ -39,6 +42,20 @@ pub struct Usage {
     pub queue_ms: Option<f64>,
     pub prefill_ms: Option<f64>,
     pub preempted: Option<u64>,
+}
+
+/// kvroute's explain header (`"explainHeader": true`).
+pub const DECISION_HEADER: &str = "x-kvroute-decision";
+
+/// The `host=` field of an `x-kvroute-decision` value
+/// (`reason=session; host=127.0.0.1:8003; key=...`).
+pub fn decision_host(value: &str) -> Option<String> {
+    value
+        .split(';')
+        .filter_map(|part| part.trim().split_once('='))
+        .find(|(k, _)| k.trim() == "host")
+        .map(|(_, v)| v.trim().to_owned())
+        .filter(|v| !v.is_empty())
 }
 
 /// Largest error body kept for the report.
@@ -88,6 +105,11 @@ pub fn chat(
         }
     };
     out.status = resp.status().as_u16();
+    out.decided_host = resp
+        .headers()
+        .get(DECISION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(decision_host);
     let mut reader = BufReader::new(resp.body_mut().as_reader());
     if out.status != 200 {
         let mut text = String::new();
@@ -184,4 +206,34 @@ fn truncate(s: &str) -> String {
 /// first colon (`status 503`, `transport`, `stream`).
 pub fn error_class(e: &str) -> String {
     e.split(':').next().unwrap_or(e).trim().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decision_host_reads_the_host_field() {
+        assert_eq!(
+            decision_host("reason=session; host=127.0.0.1:8003; key=38cfa3225de32298").as_deref(),
+            Some("127.0.0.1:8003")
+        );
+        assert_eq!(
+            decision_host("host=10.0.0.1:80").as_deref(),
+            Some("10.0.0.1:80")
+        );
+        assert_eq!(decision_host("reason=no-hosts"), None);
+        assert_eq!(decision_host("reason=x; host="), None);
+        assert_eq!(decision_host(""), None);
+    }
+
+    #[test]
+    fn error_class_is_the_part_before_the_colon() {
+        assert_eq!(error_class("status 503: engine down"), "status 503");
+        assert_eq!(error_class("transport: connection refused"), "transport");
+        assert_eq!(
+            error_class("stream ended before [DONE]"),
+            "stream ended before [DONE]"
+        );
+    }
 }

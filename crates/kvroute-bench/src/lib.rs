@@ -14,6 +14,7 @@
 //! - [`replay`] and [`client`]: the open-loop client;
 //! - [`engines`]: the engine sampler;
 //! - [`ceiling`]: hit-rate ceilings on the same requests;
+//! - [`records`]: every request as a JSON line (fault and soak runs);
 //! - [`summary`]: one run's figures; [`report`] and [`plot`]: the comparison.
 //!
 //! `scripts/bench.py` starts the fleet and each router in turn and calls
@@ -28,6 +29,7 @@ pub mod ceiling;
 pub mod client;
 pub mod engines;
 pub mod plot;
+pub mod records;
 pub mod replay;
 pub mod report;
 pub mod rng;

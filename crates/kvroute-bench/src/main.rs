@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use kvroute_bench::records;
 use kvroute_bench::replay::{self, Options};
 use kvroute_bench::report::{self, Report};
 use kvroute_bench::summary::RunSummary;
@@ -39,7 +40,7 @@ enum Command {
     /// Print what a workload holds, without sending anything.
     Describe(WorkloadArgs),
     /// Replay a workload through one router; write its run summary (JSON).
-    Replay(ReplayArgs),
+    Replay(Box<ReplayArgs>),
     /// Build report.json, report.md and the SVG plots from run summaries.
     Report(ReportArgs),
 }
@@ -238,6 +239,10 @@ struct ReplayArgs {
     /// Where to write the run summary (JSON).
     #[arg(long)]
     out: PathBuf,
+    /// Also write every request as a JSON line here (send time in Unix ms,
+    /// status, error, TTFT, engine, the router's named host, cached tokens).
+    #[arg(long)]
+    records: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -309,6 +314,11 @@ fn run_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
         label: a.router.clone(),
     };
     let replayed = replay::run(&wl, opts);
+    if let Some(path) = &a.records {
+        let file = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        records::write(&replayed.records, std::io::BufWriter::new(file))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
     let summary = RunSummary::new(
         &a.router,
         &a.setup,

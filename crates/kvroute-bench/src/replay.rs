@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -52,6 +52,9 @@ pub struct Record {
     pub turn: usize,
     /// Modelled seconds from the start of the replay to the send.
     pub sent_s: f64,
+    /// Wall-clock time of the send, Unix ms (to line requests up with
+    /// events outside the replay, such as injected faults).
+    pub sent_unix_ms: u64,
     pub outcome: Outcome,
     /// Block hashes for the ceilings (empty when the request failed).
     pub blocks: Blocks,
@@ -191,6 +194,13 @@ pub fn run(workload: &Workload, opts: Options) -> Replay {
     }
 }
 
+/// Wall-clock now, Unix ms (0 if the clock is before 1970).
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 fn progress(total: u64, label: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
@@ -213,6 +223,7 @@ fn failed(s: &Shared, session: usize, turn: usize, why: String) -> Record {
         session,
         turn,
         sent_s: s.started.elapsed().as_secs_f64() * s.opts.time_scale,
+        sent_unix_ms: unix_ms(),
         outcome: Outcome {
             error: Some(why),
             ..Outcome::default()
@@ -273,6 +284,7 @@ fn run_session(s: &Shared, index: usize, session: &Session, tx: &mpsc::Sender<Re
         };
         let seq = s.seq.fetch_add(1, Ordering::Relaxed);
         let sent_s = s.started.elapsed().as_secs_f64() * s.opts.time_scale;
+        let sent_unix_ms = unix_ms();
         let hdrs: Vec<(&str, &str)> = headers
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
@@ -303,6 +315,7 @@ fn run_session(s: &Shared, index: usize, session: &Session, tx: &mpsc::Sender<Re
             session: index,
             turn: turn_no,
             sent_s,
+            sent_unix_ms,
             outcome,
             blocks,
         };
