@@ -33,7 +33,7 @@
 use xxhash_rust::xxh64::xxh64;
 
 use crate::config::Config;
-use crate::fleet::FleetView;
+use crate::fleet::{FleetHost, FleetView};
 use crate::hash::{model_seed, BlockHasher};
 use crate::host::{Counter, Gauge, Metrics, SharedData};
 use crate::index::{Index, IndexCache, Seen};
@@ -356,18 +356,29 @@ pub fn pick_fleet(
     let view_age = view.age_ms(now_ms);
     let blocks = facts.blocks.len().max(1) as f64;
     let mut degraded = false;
+    let serving = || {
+        view.hosts
+            .iter()
+            .zip(view.set.iter())
+            .enumerate()
+            .filter(|(_, (host, _))| host.state.serves(&facts.model))
+    };
+    // Replicas a current snapshot calls down are used only when nothing
+    // else serves the model.
+    let wanted = if serving().any(|(_, (h, _))| standing(cfg, h, view_age) == Standing::Usable) {
+        Standing::Usable
+    } else {
+        Standing::LastResort
+    };
     let mut cands = Vec::with_capacity(view.hosts.len());
-    for (index, (host, id)) in view.hosts.iter().zip(view.set.iter()).enumerate() {
-        if !host.state.serves(&facts.model) {
+    for (index, (host, id)) in serving() {
+        if standing(cfg, host, view_age) != wanted {
             continue;
         }
         let fresh = host.age_ms(view_age) <= f.stale_after_ms;
-        if fresh && (!host.state.ready || host.state.draining) {
-            continue;
-        }
-        // Stale data says nothing reliable about readiness or load: such a
-        // replica stays a candidate, scored on the gateway's load only, and
-        // Envoy's retries cover it if it is gone.
+        // Stale metrics say nothing reliable about load: such a replica is
+        // scored on the gateway's load only, and Envoy's retries cover it if
+        // it is gone.
         degraded |= !fresh;
         let (kv, waiting) = if fresh {
             (host.state.kv_utilization, host.state.waiting)
@@ -445,20 +456,53 @@ fn publish_totals(metrics: &dyn Metrics, table: &LoadTable) {
     metrics.gauge(Gauge::InflightDecodeTokens, decode);
 }
 
-/// The snapshot's replicas that may take any request: ready and not
-/// draining, or with stale (unknown) data.
+/// Whether a replica may take work, by what the snapshot says of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Standing {
+    /// Ready and not draining; or the whole snapshot is stale, so nothing
+    /// current is known of it.
+    Usable,
+    /// A current snapshot calls it not ready (or draining) on the
+    /// collector's latest attempt, while its metrics are stale: the
+    /// collector cannot reach it (an engine that died or hangs). Used only
+    /// when no usable replica serves the model, so that a collector cut off
+    /// from every engine does not take the fleet down with it.
+    LastResort,
+    /// Its engine answered, recently, that it is not ready or is draining.
+    Out,
+}
+
+fn standing(cfg: &Config, host: &FleetHost, view_age: u64) -> Standing {
+    let stale_after = cfg.fleet.stale_after_ms;
+    if host.state.ready && !host.state.draining {
+        Standing::Usable
+    } else if host.age_ms(view_age) <= stale_after {
+        Standing::Out
+    } else if view_age <= stale_after {
+        Standing::LastResort
+    } else {
+        Standing::Usable
+    }
+}
+
+/// The snapshot's replicas that may take any request (see [`Standing`]).
 fn usable_hosts(cfg: &Config, f: FleetInput<'_>) -> HostSet {
     let view_age = f.view.age_ms(f.now_ms);
-    HostSet::new(
-        f.view
-            .hosts
-            .iter()
-            .filter(|h| {
-                h.age_ms(view_age) > cfg.fleet.stale_after_ms
-                    || (h.state.ready && !h.state.draining)
-            })
-            .map(|h| h.state.address.clone()),
-    )
+    let with = |want: Standing| {
+        HostSet::new(
+            f.view
+                .hosts
+                .iter()
+                .filter(|h| standing(cfg, h, view_age) == want)
+                .map(|h| h.state.address.clone()),
+        )
+    };
+    let usable = with(Standing::Usable);
+    if !usable.is_empty() {
+        usable
+    } else {
+        with(Standing::LastResort)
+    }
 }
 
 /// Fleet state for a decision: the decoded snapshot and the gateway's clock.
@@ -956,6 +1000,76 @@ mod tests {
         assert!(d.degraded);
         assert_eq!(d.targets.len(), 2);
         assert_eq!(fleet_pick(&v, &f, 5000).reason, Reason::NoHosts);
+    }
+
+    /// A view whose hosts each have their own readiness and metrics age.
+    fn view_aged(hosts: &[(&str, bool, u64)]) -> FleetView {
+        let snap = crate::fleet::Snapshot {
+            version: 1,
+            seq: 1,
+            collector: "t".into(),
+            taken_at_ms: 10_000,
+            hosts: hosts
+                .iter()
+                .map(|&(addr, ready, age)| crate::fleet::HostState {
+                    address: addr.into(),
+                    ready,
+                    draining: false,
+                    models: vec![],
+                    kv_utilization: 0.0,
+                    waiting: 0,
+                    running: 0,
+                    kv_capacity_tokens: None,
+                    block_size: None,
+                    scraped_at_ms: 10_000 - age,
+                    engine: None,
+                })
+                .collect(),
+        };
+        FleetView::new(snap, 5000)
+    }
+
+    #[test]
+    fn a_replica_the_collector_cannot_reach_is_a_last_resort() {
+        // The collector is current (snapshot ingested at 5000) and calls
+        // .1 not ready with metrics 10 s old: it died or hangs.
+        let v = view_aged(&[
+            ("10.0.0.1:80", false, 10_000),
+            ("10.0.0.2:80", true, 100),
+            ("10.0.0.3:80", true, 100),
+        ]);
+        for i in 0..40 {
+            let f = facts(&chat(json!([]), json!({})), Some(&format!("s{i}")));
+            let d = fleet_pick(&v, &f, 5100);
+            assert!(!d.targets.iter().any(|t| t == "10.0.0.1:80"), "{d:?}");
+            let d = route(
+                &cfg(),
+                &MemorySharedData::default(),
+                &MemoryMetrics::default(),
+                &mut IndexCache::default(),
+                Err(Unparsed::Invalid),
+                Some(FleetInput {
+                    view: &v,
+                    now_ms: 5100,
+                }),
+                i,
+            );
+            assert!(!d.targets.iter().any(|t| t == "10.0.0.1:80"), "{d:?}");
+        }
+        // When the collector can reach none of them, they all stay in use
+        // (degraded) rather than every request failing.
+        let v = view_aged(&[
+            ("10.0.0.1:80", false, 10_000),
+            ("10.0.0.2:80", false, 10_000),
+        ]);
+        let f = facts(&chat(json!([]), json!({})), Some("s"));
+        let d = fleet_pick(&v, &f, 5100);
+        assert_eq!(d.targets.len(), 2, "{d:?}");
+        assert!(d.degraded);
+        // An engine that answered, recently, that it is not ready is out,
+        // even alone.
+        let v = view_aged(&[("10.0.0.1:80", false, 100)]);
+        assert_eq!(fleet_pick(&v, &f, 5100).reason, Reason::NoHosts);
     }
 
     #[test]
