@@ -1004,7 +1004,11 @@ def git_head() -> str:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=str(REPO_ROOT))
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                            cwd=str(REPO_ROOT)).stdout.strip()
-    return r.stdout.strip() + (" (with uncommitted changes in the tree)" if dirty else "")
+    out = r.stdout.strip() + (" (with uncommitted changes in the tree)" if dirty else "")
+    for env in ("KVROUTE_WASM", harness.COLLECTOR_ENV):
+        if os.environ.get(env):
+            out += f"; {env}={os.environ[env]}"
+    return out
 
 
 def check_binaries() -> str | None:
