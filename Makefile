@@ -244,7 +244,7 @@ FAULTS_ARGS ?=
 faults: venv build bench-build
 	nice -n 5 $(PY) scripts/faults.py --out $(FAULTS_OUT) $(FAULTS_ARGS)
 
-# The soak: the same stack at the same steady load for SOAK_MINUTES (30),
+# The soak: the same stack at a steady 8 req/s for SOAK_MINUTES (30),
 # RSS of Envoy and the collector, Envoy's allocated bytes and the Wasm
 # memories sampled every 10 s. Writes $(SOAK_OUT)/soak.{json,md} and plots.
 # Not part of `make test`.
