@@ -859,11 +859,17 @@ def run_fault(name: str, args, work: Path, out_dir: Path) -> dict:
         log(f"  adaptation: {json.dumps(result['adaptation'])}")
         return result
     finally:
-        if monitor is not None:
-            monitor.stop()
-        if replay is not None and replay.proc is not None:
-            harness.stop_process(replay.proc)
-        stack.stop()
+        stop_run(monitor, replay, stack)
+
+
+def stop_run(monitor, replay, stack) -> None:
+    """Stops a run's monitor, load generator (by PID) and stack; each may be
+    missing if the run failed before starting it."""
+    if monitor is not None:
+        monitor.stop()
+    if replay is not None and replay.proc is not None:
+        harness.stop_process(replay.proc)
+    stack.stop()
 
 
 TITLES = {

@@ -209,11 +209,7 @@ def main(argv=None) -> int:
         log("interrupted")
         return 130
     finally:
-        if monitor is not None:
-            monitor.stop()
-        if replay is not None and replay.proc is not None:
-            harness.stop_process(replay.proc)
-        stack.stop()
+        faults.stop_run(monitor, replay, stack)
         if keep:
             log(f"logs kept in {work}")
         else:

@@ -638,6 +638,24 @@ pub fn explain(d: &Decision) -> String {
     }
 }
 
+/// An idle replica serving any model, for the tests' snapshots.
+#[cfg(test)]
+fn idle_host(addr: &str, ready: bool, scraped_at_ms: u64) -> crate::fleet::HostState {
+    crate::fleet::HostState {
+        address: addr.into(),
+        ready,
+        draining: false,
+        models: vec![],
+        kv_utilization: 0.0,
+        waiting: 0,
+        running: 0,
+        kv_capacity_tokens: None,
+        block_size: None,
+        scraped_at_ms,
+        engine: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1011,19 +1029,7 @@ mod tests {
             taken_at_ms: 10_000,
             hosts: hosts
                 .iter()
-                .map(|&(addr, ready, age)| crate::fleet::HostState {
-                    address: addr.into(),
-                    ready,
-                    draining: false,
-                    models: vec![],
-                    kv_utilization: 0.0,
-                    waiting: 0,
-                    running: 0,
-                    kv_capacity_tokens: None,
-                    block_size: None,
-                    scraped_at_ms: 10_000 - age,
-                    engine: None,
-                })
+                .map(|&(addr, ready, age)| idle_host(addr, ready, 10_000 - age))
                 .collect(),
         };
         FleetView::new(snap, 5000)
@@ -1242,19 +1248,7 @@ mod equivalence {
             hosts: cfg
                 .hosts
                 .iter()
-                .map(|h| crate::fleet::HostState {
-                    address: h.addr.clone(),
-                    ready: true,
-                    draining: false,
-                    models: vec![],
-                    kv_utilization: 0.0,
-                    waiting: 0,
-                    running: 0,
-                    kv_capacity_tokens: None,
-                    block_size: None,
-                    scraped_at_ms: 0,
-                    engine: None,
-                })
+                .map(|h| idle_host(&h.addr, true, 0))
                 .collect(),
         };
         let view = FleetView::new(snap, 0);
