@@ -7,6 +7,9 @@ the listener, cluster and override_host policy of envoy-config/envoy.yaml:
   1. plain   - Envoy, no Wasm filter (the baseline: ratios are to this one)
   2. noop    - Envoy + bench/noop-filter (pause on headers, buffer the body,
                continue): the cost of the Wasm VM and of body buffering
+  2b. minimal - the same module as the least a body-reading router filter
+               does: copy the body into the VM, read :path, set the
+               destination header (round robin over the engines)
   3. kvroute - Envoy + kvroute with a 64-host fleet snapshot: the 4 real
                engines ready, 60 more addresses not ready, so every request
                is parsed, hashed and scored against 64 hosts
@@ -77,12 +80,12 @@ SVG = REPO_ROOT / "docs" / "gateway-overhead.svg"
 SECTION = "## Gateway overhead"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 TOKEN = "kvroute-bench-token-0123456789"
-ENVOYS = ["plain", "noop", "kvroute"]
+ENVOYS = ["plain", "noop", "minimal", "kvroute"]
 # Our contender name -> scripts/bench.py's router name.
 PEERS = {"sglang-router": "sglang-cache-aware", "vllm-router": "vllm-cache-aware"}
 PEER_PACKAGES = {"sglang-router": "sglang-router", "vllm-router": "vllm-router"}
 ALL_CONTENDERS = ENVOYS + list(PEERS)
-COLOURS = {"plain": "#4c72b0", "noop": "#dd8452", "kvroute": "#55a868",
+COLOURS = {"plain": "#4c72b0", "noop": "#dd8452", "minimal": "#937860", "kvroute": "#55a868",
            "sglang-router": "#c44e52", "vllm-router": "#8172b3"}
 FLEET_HOSTS = 64
 REAL_ENGINES = 4
@@ -435,6 +438,12 @@ def start_envoy(name: str, workdir: Path, real: list[str], fake: list[str]) -> C
             gateway_port=gw, admin_port=admin, endpoints=real, wasm=NOOP_WASM,
             plugin_config=harness.plugin_config_for(real),
         )
+    elif name == "minimal":
+        # The no-op module as a minimal router (bench/noop-filter's `route:`).
+        cfg = harness.build_envoy_config(
+            gateway_port=gw, admin_port=admin, endpoints=real, wasm=NOOP_WASM,
+            plugin_config=f"route:{harness.DESTINATION_HEADER}:{','.join(real)}",
+        )
     else:
         plugin = harness.plugin_config_for(
             real + fake,
@@ -629,11 +638,11 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def paired(results: list[dict], size: int, conns: int) -> list[tuple[dict, dict]]:
-    """(plain, kvroute) runs of one setting, round by round."""
+def paired(results: list[dict], size: int, conns: int, other: str = "kvroute") -> list[tuple[dict, dict]]:
+    """(plain, other) runs of one setting, round by round."""
     by = {(r["contender"], r.get("round", 1)): r for r in results if (r["size"], r["conns"]) == (size, conns)}
-    return [(by[("plain", n)], by[("kvroute", n)]) for (c, n) in sorted(by)
-            if c == "plain" and ("kvroute", n) in by]
+    return [(by[("plain", n)], by[(other, n)]) for (c, n) in sorted(by)
+            if c == "plain" and (other, n) in by]
 
 
 def targets(results: list[dict]) -> list[str]:
@@ -646,6 +655,11 @@ def targets(results: list[dict]) -> list[str]:
             f"- 1 KB, 64 connections: kvroute at {share:.0%} of plain Envoy's req/s "
             f"(target >= 85%): {'met' if share >= 0.85 else 'NOT met'}."
         )
+    for other in ("noop", "minimal"):
+        pairs = paired(results, 1024, 64, other)
+        if pairs:
+            share = statistics.median(k["rps"] / p["rps"] if p["rps"] else 0.0 for p, k in pairs)
+            out.append(f"  (same setting, for reference: {other} at {share:.0%})")
     for conns in (1, 16, 64):
         pairs = paired(results, 131072, conns)
         if pairs:
@@ -654,6 +668,13 @@ def targets(results: list[dict]) -> list[str]:
                 f"- 128 KB, {conns} connection(s): kvroute adds {d:+.3f} ms p50 over plain Envoy "
                 f"(target <= 0.3 ms): {'met' if d <= 0.3 else 'NOT met'}."
             )
+        refs = []
+        for other in ("noop", "minimal"):
+            pairs = paired(results, 131072, conns, other)
+            if pairs:
+                refs.append(f"{other} {statistics.median(k['p50'] - p['p50'] for p, k in pairs):+.3f} ms")
+        if refs:
+            out.append(f"  (same setting, for reference: {', '.join(refs)})")
     return out
 
 
@@ -789,7 +810,9 @@ def doc_section(results: list[dict], command: str, seconds: float, warmup: float
     contenders = [c for c in ALL_CONTENDERS if any(r["contender"] == c for r in results)]
     peers = [c for c in contenders if c in PEERS]
     rss_line = ", ".join(f"{c} {rss[c] / 1024:.0f} MiB" for c in contenders if c in rss)
-    intro = "Three Envoy 1.40 processes" + {0: "", 1: " and one peer router", 2: " and two peer routers"}[len(peers)]
+    envoys = sum(c in ENVOYS for c in contenders)
+    intro = (f"{['No', 'One', 'Two', 'Three', 'Four'][envoys]} Envoy 1.40 process{'es' if envoys != 1 else ''}"
+             + {0: "", 1: " and one peer router", 2: " and two peer routers"}[len(peers)])
     parts = [
         SECTION,
         "",
@@ -802,6 +825,9 @@ def doc_section(results: list[dict], command: str, seconds: float, warmup: float
         "- **plain**: no Wasm filter (the baseline; every ratio is to it, same setting, same session);",
         "- **noop**: bench/noop-filter, which pauses on the headers, buffers the body and continues:",
         "  the cost of the Wasm VM and of body buffering;",
+        "- **minimal**: the same module as the least any body-reading router filter does: it also",
+        "  copies the body into the VM, reads `:path` and sets the destination header (round robin",
+        "  over the engines), so override_host acts on it as it does for kvroute;",
         f"- **kvroute**: the kvroute filter with a {FLEET_HOSTS}-host fleet snapshot pushed to its ingest",
         f"  listener: the {REAL_ENGINES} real engines ready, {FLEET_HOSTS - REAL_ENGINES} more addresses not ready, so every request",
         f"  is parsed, hashed and scored against {FLEET_HOSTS} hosts (configuration otherwise as in envoy.yaml,",

@@ -1,10 +1,10 @@
 //! kvroute, the proxy-wasm filter: glue between Envoy and kvroute-core.
 //!
-//! Per request: remove any client copy of the destination header; if the
-//! request is an inference API call, buffer its body (returning Pause from
-//! the header callback, which needs `allow_on_headers_stop_iteration`), then
-//! analyse, pick and charge in kvroute-core, set the destination header
-//! (`primary,fallback,...`) and continue. Envoy's `override_host` load
+//! Per request: if the request is an inference API call, buffer its body
+//! (returning Pause from the header callback, which needs
+//! `allow_on_headers_stop_iteration`), then analyse, pick and charge in
+//! kvroute-core, set the destination header (`primary,fallback,...`,
+//! replacing every copy a client sent) and continue. Envoy's `override_host` load
 //! balancing policy routes to the first address and walks the rest on
 //! retries. The charge is released in two steps: the prompt part at the
 //! first response byte, the rest when the stream ends.
@@ -12,9 +12,9 @@
 //! The request path keeps its host calls few: counters are batched in the
 //! worker and handed to Envoy on its 100 ms tick, and prefix-index reads are
 //! cached per worker for `index::CACHE_MS`. The load table stays exact
-//! (compare-and-swap at the pick and at each release) and each decision reads
-//! the snapshot's version stamp, so every worker sees the others' load and a
-//! pushed snapshot at once.
+//! (compare-and-swap at the pick and at each release), so every worker sees
+//! the others' load at once; requests look at the snapshot's version stamp
+//! at most once per millisecond per worker, so a push is in use within 1 ms.
 //!
 //! Nothing here panics: host calls go through `proxy_wasm::hostcalls`, whose
 //! errors are mapped or skipped, and every malformed input is a fallback
@@ -79,7 +79,12 @@ impl Shared {
         let Ok(mut cache) = self.fleet.try_borrow_mut() else {
             return;
         };
-        let (view, refresh) = cache.refresh(&self.config, &HostSharedData);
+        // The tick always looks; requests share one look per millisecond.
+        let (view, refresh) = if publish {
+            cache.refresh(&self.config, &HostSharedData)
+        } else {
+            cache.refresh_at(&self.config, &HostSharedData, now)
+        };
         let m = &self.metrics;
         match (refresh, &view) {
             (Refresh::Decoded, Some(v)) => {
@@ -253,6 +258,7 @@ impl Stream {
         let view = shared.fleet.try_borrow().ok().and_then(|c| c.current());
         let cfg = &shared.config;
         let Ok(mut cache) = shared.index.try_borrow_mut() else {
+            self.drop_client_destination();
             return Action::Continue;
         };
         let d = decide::route(
@@ -283,6 +289,7 @@ impl Stream {
                 "model": model,
             }})
             .to_string();
+            self.drop_client_destination();
             json_reply(503, Some(&body));
             Action::Pause
         } else {
@@ -296,11 +303,24 @@ impl Stream {
                     "[{}] kvroute: cannot set destination header: {e:?}",
                     self.id
                 );
+                self.drop_client_destination();
             }
             Action::Continue
         };
         self.decision = Some(d);
         action
+    }
+
+    /// Removes every copy of the destination header a client sent, where
+    /// the filter does not replace it.
+    fn drop_client_destination(&self) {
+        let name = &self.shared.config.destination_header;
+        if let Err(e) = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name) {
+            log::warn!(
+                "[{}] kvroute: cannot remove client destination header: {e:?}",
+                self.id
+            );
+        }
     }
 
     fn decide_buffered(&mut self) -> Action {
@@ -362,15 +382,10 @@ impl Context for Stream {}
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let cfg = &self.shared.config;
-        // Clients never steer the destination: drop every copy they sent.
-        if let Err(e) =
-            hostcalls::remove_map_value(MapType::HttpRequestHeaders, &cfg.destination_header)
-        {
-            log::warn!(
-                "[{}] kvroute: cannot remove client destination header: {e:?}",
-                self.id
-            );
-        }
+        // Clients never steer the destination: every request that goes on
+        // leaves `decide`, which replaces every copy a client sent (Envoy's
+        // replace removes them all) or, where it names no replica, removes
+        // them.
         let method = header(":method").unwrap_or_default();
         let path = header(":path").unwrap_or_default();
         if path.split('?').next() == Some(INGEST_PATH) {

@@ -14,21 +14,67 @@
 //! the kind of call kvroute's load table and prefix index make. Any other
 //! configuration (kvroute's JSON included) means no probe calls.
 
+use std::cell::Cell;
+use std::rc::Rc;
+
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 /// Shared-data key of the probe value.
 const PROBE_KEY: &str = "kvroute-noop.probe";
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Warn);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { probes: 0 }) });
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+        Box::new(Root { probes: 0, route: None })
+    });
 }}
 
 struct Root {
     /// `get_shared_data` calls per request (0: a pure no-op).
     probes: u32,
+    /// The "minimal" router, when configured.
+    route: Option<Rc<Route>>,
+}
+
+/// `route:HEADER:ADDR,...`: set HEADER to each address in turn.
+struct Route {
+    header: String,
+    addresses: Vec<String>,
+    next: Cell<usize>,
+}
+
+impl Route {
+    fn parse(config: &[u8]) -> Option<Route> {
+        let text = std::str::from_utf8(config).ok()?;
+        let (header, list) = text.trim().strip_prefix("route:")?.split_once(':')?;
+        let addresses: Vec<String> = list
+            .split(',')
+            .filter(|a| !a.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if header.is_empty() || addresses.is_empty() {
+            return None;
+        }
+        Some(Route {
+            header: header.to_owned(),
+            addresses,
+            next: Cell::new(0),
+        })
+    }
+
+    /// Reads what a router must read, and names the next address. (A host
+    /// call is an import: the compiler cannot drop the copies.)
+    fn apply(&self, body_size: usize) {
+        let _body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size);
+        let _path = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, ":path");
+        let turn = self.next.get();
+        self.next.set(turn.wrapping_add(1));
+        if let Some(addr) = self.addresses.get(turn % self.addresses.len()) {
+            let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &self.header, Some(addr));
+        }
+    }
 }
 
 impl Context for Root {}
@@ -53,6 +99,7 @@ impl RootContext for Root {
                 self.probes = n;
             }
         }
+        self.route = Route::parse(&config).map(Rc::new);
         true
     }
 
@@ -63,12 +110,14 @@ impl RootContext for Root {
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Stream {
             probes: self.probes,
+            route: self.route.clone(),
         }))
     }
 }
 
 struct Stream {
     probes: u32,
+    route: Option<Rc<Route>>,
 }
 
 impl Stream {
@@ -91,9 +140,12 @@ impl HttpContext for Stream {
         }
     }
 
-    fn on_http_request_body(&mut self, _body_size: usize, end_of_stream: bool) -> Action {
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if end_of_stream {
             self.probe();
+            if let Some(route) = &self.route {
+                route.apply(body_size);
+            }
             Action::Continue
         } else {
             Action::Pause
@@ -102,5 +154,37 @@ impl HttpContext for Stream {
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         Action::Continue
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_config_names_header_and_addresses() {
+        let r = Route::parse(b"route:x-dest:10.0.0.1:8000,10.0.0.2:8000\n");
+        let r = r.as_ref().map(|r| (r.header.as_str(), r.addresses.clone()));
+        assert_eq!(
+            r,
+            Some((
+                "x-dest",
+                vec!["10.0.0.1:8000".to_owned(), "10.0.0.2:8000".to_owned()]
+            ))
+        );
+    }
+
+    #[test]
+    fn other_configs_are_not_a_route() {
+        for bad in [
+            &b"route:x-dest:"[..],
+            b"route::10.0.0.1:80",
+            b"probe:3:64",
+            b"{}",
+            b"\xff",
+        ] {
+            assert!(Route::parse(bad).is_none(), "{bad:?}");
+        }
+        assert_eq!(parse_probe(b"probe:3:64"), Some((3, 64)));
     }
 }

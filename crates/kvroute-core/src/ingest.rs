@@ -194,6 +194,8 @@ pub struct FleetCache {
     /// Highest seq decoded or found undecodable, so a bad value is not
     /// decoded again on every request.
     seen: u64,
+    /// The millisecond of the last look at the stamp by a request.
+    checked_ms: u64,
 }
 
 /// What a refresh did, for metrics.
@@ -205,13 +207,31 @@ pub enum Refresh {
 }
 
 impl FleetCache {
-    /// The current view, reading shared data only when the stamp is newer
-    /// than what this VM holds.
     /// The snapshot in use, without looking for a newer one.
     pub fn current(&self) -> Option<Rc<FleetView>> {
         self.view.clone()
     }
 
+    /// [`FleetCache::refresh`] for a request: at most one look at the stamp
+    /// per millisecond (`now_ms`, 0 if the clock is unknown: always look).
+    /// Requests in the same millisecond share the look, which saves a host
+    /// call and a copy per request at high rates; a push is seen at most
+    /// 1 ms later.
+    pub fn refresh_at(
+        &mut self,
+        cfg: &Config,
+        store: &dyn SharedData,
+        now_ms: u64,
+    ) -> (Option<Rc<FleetView>>, Refresh) {
+        if now_ms != 0 && now_ms == self.checked_ms {
+            return (self.view.clone(), Refresh::Unchanged);
+        }
+        self.checked_ms = now_ms;
+        self.refresh(cfg, store)
+    }
+
+    /// The current view, reading shared data only when the stamp is newer
+    /// than what this VM holds.
     pub fn refresh(
         &mut self,
         cfg: &Config,
@@ -395,5 +415,44 @@ mod tests {
         );
         let (v, _) = FleetCache::default().refresh(&c, &s);
         assert_eq!(v.unwrap().seq, 7);
+    }
+
+    #[test]
+    fn requests_look_at_the_stamp_once_per_millisecond() {
+        let c = cfg();
+        let s = MemorySharedData::default();
+        let mut cache = FleetCache::default();
+        assert_eq!(store(&c, &s, &snap(1, 2), 1), Outcome::Accepted { seq: 1 });
+        let seq = |r: (Option<Rc<FleetView>>, Refresh)| (r.0.map(|v| v.seq), r.1);
+        assert_eq!(
+            seq(cache.refresh_at(&c, &s, 50)),
+            (Some(1), Refresh::Decoded)
+        );
+        assert_eq!(store(&c, &s, &snap(2, 3), 2), Outcome::Accepted { seq: 2 });
+        // Same millisecond: the look is shared, the push not seen yet.
+        assert_eq!(
+            seq(cache.refresh_at(&c, &s, 50)),
+            (Some(1), Refresh::Unchanged)
+        );
+        // The next millisecond looks again.
+        assert_eq!(
+            seq(cache.refresh_at(&c, &s, 51)),
+            (Some(2), Refresh::Decoded)
+        );
+        // An unknown clock always looks.
+        assert_eq!(store(&c, &s, &snap(3, 1), 3), Outcome::Accepted { seq: 3 });
+        assert_eq!(
+            seq(cache.refresh_at(&c, &s, 0)),
+            (Some(3), Refresh::Decoded)
+        );
+        assert_eq!(store(&c, &s, &snap(4, 1), 4), Outcome::Accepted { seq: 4 });
+        assert_eq!(
+            seq(cache.refresh_at(&c, &s, 0)),
+            (Some(4), Refresh::Decoded)
+        );
+        // The tick's refresh always looks.
+        assert_eq!(store(&c, &s, &snap(5, 1), 5), Outcome::Accepted { seq: 5 });
+        cache.checked_ms = 60;
+        assert_eq!(seq(cache.refresh(&c, &s)), (Some(5), Refresh::Decoded));
     }
 }
