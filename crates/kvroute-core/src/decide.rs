@@ -356,23 +356,30 @@ pub fn pick_fleet(
     let view_age = view.age_ms(now_ms);
     let blocks = facts.blocks.len().max(1) as f64;
     let mut degraded = false;
-    let serving = || {
-        view.hosts
-            .iter()
-            .zip(view.set.iter())
-            .enumerate()
-            .filter(|(_, (host, _))| host.state.serves(&facts.model))
-    };
+    // One pass over the fleet: the standing first (a few field reads), the
+    // model list only for replicas that are not out.
+    let serving: Vec<(usize, Standing)> = view
+        .hosts
+        .iter()
+        .enumerate()
+        .filter_map(|(index, host)| {
+            let s = standing(cfg, host, view_age);
+            (s != Standing::Out && host.state.serves(&facts.model)).then_some((index, s))
+        })
+        .collect();
     // Replicas a current snapshot calls down are used only when nothing
     // else serves the model.
-    let wanted = if serving().any(|(_, (h, _))| standing(cfg, h, view_age) == Standing::Usable) {
+    let wanted = if serving.iter().any(|(_, s)| *s == Standing::Usable) {
         Standing::Usable
     } else {
         Standing::LastResort
     };
-    let mut cands = Vec::with_capacity(view.hosts.len());
-    for (index, (host, id)) in serving() {
-        if standing(cfg, host, view_age) != wanted {
+    let mut cands = Vec::with_capacity(serving.len());
+    for &(index, s) in &serving {
+        let (Some(host), Some(id)) = (view.hosts.get(index), view.set.get(index)) else {
+            continue;
+        };
+        if s != wanted {
             continue;
         }
         let fresh = host.age_ms(view_age) <= f.stale_after_ms;

@@ -373,6 +373,33 @@ struct AnthropicMetadata<'a> {
     user_id: Option<Cow<'a, str>>,
 }
 
+/// A string borrowed from the body unless it has escapes. (serde's own
+/// `Cow<str>` always copies, outside a derived field marked `borrow`: every
+/// key, role and text part used to be an allocation and a copy.)
+struct CowStr<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for CowStr<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = CowStr<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(CowStr(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(CowStr(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(CowStr(Cow::Owned(v)))
+            }
+        }
+        d.deserialize_str(V(std::marker::PhantomData))
+    }
+}
+
 /// One chat message, Responses input item, or Anthropic message.
 #[derive(Debug)]
 struct Message<'a> {
@@ -402,10 +429,10 @@ impl<'de: 'a, 'a> Visitor<'de> for MessageVisitor<'a> {
         let mut kind: Option<Cow<'a, str>> = None;
         let mut content = Content::None;
         let mut extra: Option<&'a RawValue> = None;
-        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+        while let Some(CowStr(key)) = map.next_key::<CowStr<'de>>()? {
             match key.as_ref() {
-                "role" => role = Some(map.next_value::<Cow<'de, str>>()?),
-                "type" => kind = Some(map.next_value::<Cow<'de, str>>()?),
+                "role" => role = Some(map.next_value::<CowStr<'de>>()?.0),
+                "type" => kind = Some(map.next_value::<CowStr<'de>>()?.0),
                 "content" => content = map.next_value()?,
                 // Responses function_call_output carries its text in `output`.
                 "output" => content = map.next_value()?,
@@ -522,10 +549,10 @@ impl<'de: 'a, 'a> Deserialize<'de> for Part<'a> {
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 let mut kind: Option<Cow<'a, str>> = None;
                 let mut text: Option<Cow<'a, str>> = None;
-                while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                while let Some(CowStr(key)) = map.next_key::<CowStr<'de>>()? {
                     match key.as_ref() {
-                        "type" => kind = Some(map.next_value::<Cow<'de, str>>()?),
-                        "text" => text = Some(map.next_value::<Cow<'de, str>>()?),
+                        "type" => kind = Some(map.next_value::<CowStr<'de>>()?.0),
+                        "text" => text = Some(map.next_value::<CowStr<'de>>()?.0),
                         _ => {
                             map.next_value::<IgnoredAny>()?;
                         }
@@ -748,6 +775,31 @@ mod tests {
             r#"{"messages":[{"role":"user","content":"a\"b\u00e9"}]}"#,
         );
         assert_eq!(c.bytes, "user\u{1f}a\"b\u{e9}\u{1e}".as_bytes());
+    }
+
+    #[test]
+    fn escaped_keys_roles_and_parts_read_as_plain_ones() {
+        // Keys, roles, part types and part texts are borrowed from the body
+        // when they have no escapes and decoded when they do; both forms
+        // must give the same canonical stream.
+        let plain =
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi there"}]}]}"#;
+        let escaped =
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi there"}]}]}"#;
+        let (_, a) = canon(Endpoint::ChatCompletions, plain);
+        let (_, b) = canon(Endpoint::ChatCompletions, escaped);
+        assert_eq!(a.bytes, "user\u{1f}hi there\u{1e}".as_bytes());
+        assert_eq!(a.bytes, b.bytes);
+        // A key or role that is not a string is still an error, not a panic.
+        for bad in [
+            r#"{"messages":[{"role":7,"content":"x"}]}"#,
+            r#"{"messages":[{"role":"user","content":[{"type":1,"text":"x"}]}]}"#,
+        ] {
+            assert!(
+                parse(Endpoint::ChatCompletions, bad.as_bytes()).is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]
