@@ -773,8 +773,19 @@ def test_collector_kv_pressure_diverts_new_conversations(collector_stack, collec
     stack.replica_control(hot, kv=0.95, waiting=40)
     wait_until(lambda: hot not in spread(stack, f"collector-kv-{time.perf_counter_ns()}", n=12), 2.0,
                interval=0.05, what=f"{hot} avoided")
-    served = spread(stack, "collector-kv-fresh", n=40)
-    assert hot not in served and len(served) == 3, served
+    before = metric(stack, "kvroute_decisions_degraded_total")
+    replies = [routed(ask(stack, f"collector-kv-fresh-{s}", f"collector-kv-fresh question {s}"), stack)
+               for s in range(40)]
+    served = Counter(r.served_by for r in replies)
+    # Seen once in CI (7 of 40 on the hot replica, not reproduced since): say
+    # why, if it happens again.
+    assert hot not in served and len(served) == 3, (
+        f"{dict(served)}; degraded decisions during the 40: "
+        f"{metric(stack, 'kvroute_decisions_degraded_total') - before:.0f}; "
+        f"on {hot}: {[r.describe() for r in replies if r.served_by == hot][:3]}; "
+        f"snapshot age {metric(stack, 'kvroute_fleet_snapshot_age_ms'):.0f} ms; "
+        f"collector log:\n{collector.log_tail()}"
+    )
 
 
 def test_collector_models_from_metrics(collector_stack, collector):
