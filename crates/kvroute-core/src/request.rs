@@ -784,8 +784,8 @@ mod tests {
         // must give the same canonical stream.
         let plain =
             r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi there"}]}]}"#;
-        let escaped =
-            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi there"}]}]}"#;
+        let escaped = r#"{"messages":[{"r\u006fle":"us\u0065r","c\u006fntent":[{"typ\u0065":"t\u0065xt","t\u0065xt":"hi\u0020there"}]}]}"#;
+        assert!(escaped.contains(r"\u006f") && escaped != plain);
         let (_, a) = canon(Endpoint::ChatCompletions, plain);
         let (_, b) = canon(Endpoint::ChatCompletions, escaped);
         assert_eq!(a.bytes, "user\u{1f}hi there\u{1e}".as_bytes());
