@@ -51,13 +51,7 @@ def start(label: str, module: Path | None, workdir: Path, real: list[str], fake:
     where.mkdir()
     if module is None:
         return bo.start_envoy(label, where, real, fake)
-    # start_envoy("kvroute") loads bo.KVROUTE_WASM: point it at this build.
-    saved = bo.KVROUTE_WASM
-    bo.KVROUTE_WASM = module
-    try:
-        c = bo.start_envoy("kvroute", where, real, fake)
-    finally:
-        bo.KVROUTE_WASM = saved
+    c = bo.start_envoy("kvroute", where, real, fake, wasm=module)
     c.name = label
     return c
 

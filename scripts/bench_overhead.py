@@ -427,7 +427,9 @@ def _start_time(pid: int) -> str:
         return ""
 
 
-def start_envoy(name: str, workdir: Path, real: list[str], fake: list[str]) -> Contender:
+def start_envoy(name: str, workdir: Path, real: list[str], fake: list[str],
+                wasm: Path | None = None) -> Contender:
+    """One of ENVOYS; `wasm` replaces the kvroute module (A/B of builds, scripts/ab_wasm.py)."""
     gw, admin, ingest = harness.free_ports(3)
     if name == "plain":
         cfg = harness.build_envoy_config(gateway_port=gw, admin_port=admin, endpoints=real, wasm=None)
@@ -451,7 +453,7 @@ def start_envoy(name: str, workdir: Path, real: list[str], fake: list[str]) -> C
             {"fleet": {"staleAfterMs": 3_600_000}},
         )
         cfg = harness.build_envoy_config(
-            gateway_port=gw, admin_port=admin, endpoints=real, wasm=KVROUTE_WASM,
+            gateway_port=gw, admin_port=admin, endpoints=real, wasm=wasm or KVROUTE_WASM,
             plugin_config=plugin, ingest_port=ingest,
             ingest_config=harness.ingest_config_for(TOKEN, shared_data_prefix=plugin.get("sharedDataPrefix")),
         )
