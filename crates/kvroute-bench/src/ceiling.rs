@@ -82,14 +82,34 @@ fn leading(prompt: &[u64], has: impl Fn(u64) -> bool) -> usize {
     prompt.iter().take_while(|h| has(**h)).count()
 }
 
-/// Both ceilings for `requests` in send order, with a fleet of
-/// `fleet_blocks` blocks in all.
-pub fn ceilings<'a>(requests: impl IntoIterator<Item = &'a Blocks>, fleet_blocks: u64) -> Ceilings {
-    let block_tokens = kvroute_sim::engine::BLOCK_TOKENS as u64;
-    let mut seen: HashSet<u64> = HashSet::new();
-    let mut lru = Lru::new(usize::try_from(fleet_blocks).unwrap_or(usize::MAX));
-    let (mut queries, mut unbounded, mut bounded) = (0u64, 0u64, 0u64);
-    for r in requests {
+/// Both ceilings, fed one request at a time in send order (so that a long
+/// run need not keep every request's hashes).
+pub struct Ceiling {
+    seen: HashSet<u64>,
+    lru: Lru,
+    fleet_blocks: u64,
+    queries: u64,
+    unbounded: u64,
+    bounded: u64,
+}
+
+impl Ceiling {
+    /// Ceilings for a fleet of `fleet_blocks` blocks in all.
+    pub fn new(fleet_blocks: u64) -> Self {
+        Self {
+            seen: HashSet::new(),
+            lru: Lru::new(usize::try_from(fleet_blocks).unwrap_or(usize::MAX)),
+            fleet_blocks,
+            queries: 0,
+            unbounded: 0,
+            bounded: 0,
+        }
+    }
+
+    /// Adds the next request; returns its prompt tokens cached in the fleet
+    /// LRU (what the no-queue TTFT floor assumes is cached).
+    pub fn add(&mut self, r: &Blocks) -> u64 {
+        let block_tokens = kvroute_sim::engine::BLOCK_TOKENS as u64;
         let prompt = r
             .hashes
             .get(..r.prompt_blocks.min(r.hashes.len()))
@@ -101,27 +121,42 @@ pub fn ceilings<'a>(requests: impl IntoIterator<Item = &'a Blocks>, fleet_blocks
             ) as u64
                 * block_tokens
         };
-        queries += r.prompt_tokens;
-        unbounded += hit(leading(prompt, |h| seen.contains(&h)));
-        bounded += hit(leading(prompt, |h| lru.contains(h)));
+        self.queries += r.prompt_tokens;
+        self.unbounded += hit(leading(prompt, |h| self.seen.contains(&h)));
+        let lru_hit = hit(leading(prompt, |h| self.lru.contains(h)));
+        self.bounded += lru_hit;
         for &h in &r.hashes {
-            seen.insert(h);
-            lru.touch(h);
+            self.seen.insert(h);
+            self.lru.touch(h);
+        }
+        lru_hit
+    }
+
+    pub fn finish(&self) -> Ceilings {
+        let rate = |hits: u64| {
+            if self.queries == 0 {
+                0.0
+            } else {
+                hits as f64 / self.queries as f64
+            }
+        };
+        Ceilings {
+            prompt_tokens: self.queries,
+            unbounded_hit_rate: rate(self.unbounded),
+            lru_hit_rate: rate(self.bounded),
+            lru_blocks: self.fleet_blocks,
         }
     }
-    let rate = |hits: u64| {
-        if queries == 0 {
-            0.0
-        } else {
-            hits as f64 / queries as f64
-        }
-    };
-    Ceilings {
-        prompt_tokens: queries,
-        unbounded_hit_rate: rate(unbounded),
-        lru_hit_rate: rate(bounded),
-        lru_blocks: fleet_blocks,
+}
+
+/// Both ceilings for `requests` in send order, with a fleet of
+/// `fleet_blocks` blocks in all.
+pub fn ceilings<'a>(requests: impl IntoIterator<Item = &'a Blocks>, fleet_blocks: u64) -> Ceilings {
+    let mut c = Ceiling::new(fleet_blocks);
+    for r in requests {
+        c.add(r);
     }
+    c.finish()
 }
 
 #[cfg(test)]

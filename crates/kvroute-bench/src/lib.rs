@@ -10,7 +10,8 @@
 //!        \-------------------> run summary (one router) --> report (all routers)
 //! ```
 //!
-//! - [`workload`]: trace reader and generators;
+//! - [`workload`]: trace reader and generators; [`families`]: the workload suite;
+//! - [`sim`]: the fleet simulation in virtual time (`simulate`, `suite`);
 //! - [`replay`] and [`client`]: the open-loop client;
 //! - [`engines`]: the engine sampler;
 //! - [`ceiling`]: hit-rate ceilings on the same requests;
@@ -28,10 +29,12 @@
 pub mod ceiling;
 pub mod client;
 pub mod engines;
+pub mod families;
 pub mod plot;
 pub mod records;
 pub mod replay;
 pub mod report;
 pub mod rng;
+pub mod sim;
 pub mod summary;
 pub mod workload;

@@ -16,10 +16,12 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use kvroute_bench::families::{self, FamilyOptions};
 use kvroute_bench::records;
 use kvroute_bench::replay::{self, Options};
 use kvroute_bench::report::{self, Report};
-use kvroute_bench::summary::RunSummary;
+use kvroute_bench::sim::{self, routers, Collectors, Spread};
+use kvroute_bench::summary::{RunInfo, RunSummary};
 use kvroute_bench::workload::{
     self, GroupOptions, SessionOptions, TraceKey, TraceOptions, Workload,
 };
@@ -43,6 +45,113 @@ enum Command {
     Replay(Box<ReplayArgs>),
     /// Build report.json, report.md and the SVG plots from run summaries.
     Report(ReportArgs),
+    /// Run a workload through routers in the fleet simulation (virtual
+    /// time); write report.json, report.md, the plots and timing.json.
+    Simulate(Box<SimulateArgs>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum SpreadArg {
+    Request,
+    Session,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CollectorsArg {
+    Shared,
+    PerGateway,
+}
+
+/// The simulated engines' configuration (the same flags as kvroute-sim).
+#[derive(Debug, Args)]
+pub struct EngineArgs {
+    /// KV-cache capacity per engine, in blocks of 16 tokens.
+    #[arg(long)]
+    kv_blocks: Option<usize>,
+    #[arg(long)]
+    max_num_seqs: Option<usize>,
+    #[arg(long)]
+    max_num_batched_tokens: Option<usize>,
+    #[arg(long)]
+    step_fixed_us: Option<f64>,
+    #[arg(long)]
+    prefill_token_us: Option<f64>,
+    #[arg(long)]
+    decode_seq_us: Option<f64>,
+    #[arg(long)]
+    context_token_us: Option<f64>,
+}
+
+impl EngineArgs {
+    fn config(&self) -> Result<kvroute_sim::engine::EngineConfig, String> {
+        let d = kvroute_sim::engine::EngineConfig::default();
+        let c = kvroute_sim::engine::EngineConfig {
+            kv_blocks: self.kv_blocks.unwrap_or(d.kv_blocks),
+            max_num_seqs: self.max_num_seqs.unwrap_or(d.max_num_seqs),
+            max_num_batched_tokens: self
+                .max_num_batched_tokens
+                .unwrap_or(d.max_num_batched_tokens),
+            max_model_len: d.max_model_len,
+            step_fixed_us: self.step_fixed_us.unwrap_or(d.step_fixed_us),
+            prefill_token_us: self.prefill_token_us.unwrap_or(d.prefill_token_us),
+            decode_seq_us: self.decode_seq_us.unwrap_or(d.decode_seq_us),
+            context_token_us: self.context_token_us.unwrap_or(d.context_token_us),
+        };
+        c.validate().map_err(|e| e.to_string())?;
+        Ok(c)
+    }
+}
+
+#[derive(Debug, Args)]
+struct SimulateArgs {
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Routers, comma-separated, in report order (default: all).
+    #[arg(long, value_delimiter = ',')]
+    routers: Vec<String>,
+    /// Simulated engines.
+    #[arg(long, default_value_t = 16)]
+    engines: usize,
+    /// Gateway instances each router runs as.
+    #[arg(long, default_value_t = 1)]
+    gateways: usize,
+    /// How requests are spread over the gateways.
+    #[arg(long, value_enum, default_value = "request")]
+    spread: SpreadArg,
+    /// One collector for all gateways, or one per gateway.
+    #[arg(long, value_enum, default_value = "shared")]
+    collectors: CollectorsArg,
+    /// kvroute's collector interval, modelled ms (kvroute-collector's default).
+    #[arg(long, default_value_t = 250.0)]
+    collector_ms: f64,
+    /// kvroute's gateway clock runs this many times slower than modelled
+    /// time (the real-time bench's time scale, to compare with it: its
+    /// gateways' timers are in real time). 1: production.
+    #[arg(long, default_value_t = 1.0)]
+    gateway_clock_scale: f64,
+    /// kvroute plugin config overrides (JSON object; `hosts` is the fleet).
+    #[arg(long, default_value = "{}")]
+    kvroute_config: String,
+    /// Model name sent in requests.
+    #[arg(long, default_value = "meta-llama/Llama-3.1-8B-Instruct")]
+    model: String,
+    /// Send no session header.
+    #[arg(long)]
+    no_session_header: bool,
+    /// Engine timeline sampling interval, modelled ms.
+    #[arg(long, default_value_t = 500.0)]
+    sample_ms: f64,
+    /// Directory for report.json, report.md, the plots and timing.json.
+    #[arg(long)]
+    out: PathBuf,
+    /// Fail (exit 1) if the report's consistency checks fail.
+    #[arg(long)]
+    check: bool,
+    /// No progress lines.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -53,6 +162,8 @@ enum Kind {
     Sessions,
     /// Generated shared-prefix groups.
     Groups,
+    /// A family of the workload suite (--family; see `families`).
+    Family,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -118,6 +229,19 @@ struct WorkloadArgs {
     /// Group requests per second.
     #[arg(long, default_value_t = GroupOptions::default().rate)]
     group_rate: f64,
+    // Families.
+    /// The family (chat, groups, mix, agent, bursts, ramp, tenants).
+    #[arg(long, default_value = "chat")]
+    family: String,
+    /// The fleet size the family's load is sized for.
+    #[arg(long, default_value_t = 4)]
+    family_replicas: usize,
+    /// Seconds of the family's arrivals (modelled).
+    #[arg(long, default_value_t = 600.0)]
+    duration: f64,
+    /// Multiplies the family's calibrated arrival rate.
+    #[arg(long, default_value_t = 1.0)]
+    load: f64,
 }
 
 fn parse_window(s: &str) -> Result<(f64, f64), String> {
@@ -201,6 +325,15 @@ impl WorkloadArgs {
                     seed: self.seed,
                 }))
             }
+            Kind::Family => families::generate(
+                &self.family,
+                &FamilyOptions {
+                    replicas: self.family_replicas,
+                    duration_s: self.duration,
+                    load: self.load,
+                    seed: self.seed,
+                },
+            ),
         }
     }
 }
@@ -277,6 +410,7 @@ fn main() -> ExitCode {
         Command::Describe(w) => describe(&w),
         Command::Replay(r) => run_replay(&r),
         Command::Report(r) => run_report(&r),
+        Command::Simulate(s) => run_simulate(&s),
     };
     match result {
         Ok(code) => code,
@@ -320,10 +454,13 @@ fn run_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
             .map_err(|e| format!("{}: {e}", path.display()))?;
     }
     let summary = RunSummary::new(
-        &a.router,
-        &a.setup,
-        &wl.description,
-        a.time_scale,
+        RunInfo {
+            router: &a.router,
+            setup: &a.setup,
+            workload: &wl.description,
+            time_scale: a.time_scale,
+            gateways: 1,
+        },
         &replayed,
     );
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -332,17 +469,109 @@ fn run_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
     let json = serde_json::to_vec(&summary).map_err(|e| e.to_string())?;
     std::fs::write(&a.out, json).map_err(|e| format!("{}: {e}", a.out.display()))?;
     println!(
-        "{}: {} requests, {} errors, TTFT p50 {:.0} ms p99 {:.0} ms, hit rate {:.1} % (LRU ceiling {:.1} %), KV spread {:.3}, simulator lag {:.1} %",
+        "{}: {} requests, {} errors, TTFT p50 {:.0} ms p95 {:.0} ms p99 {:.0} ms ({:.1}x the no-queue floor at p95), hit rate {:.1} % at first admission (LRU ceiling {:.1} %), KV spread {:.3}, simulator lag {:.1} %",
         summary.router,
         summary.requests,
         summary.errors,
         summary.ttft_ms.p50,
+        summary.ttft_ms.p95,
         summary.ttft_ms.p99,
+        summary.ttft_p95_over_floor,
         100.0 * summary.hit_rate,
         100.0 * summary.ceilings.lru_hit_rate,
         summary.kv_spread_mean,
         100.0 * summary.sim_lag_fraction
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
+    let wl = a.workload.build()?;
+    let engine = a.engine.config()?;
+    let config: serde_json::Value = serde_json::from_str(&a.kvroute_config)
+        .map_err(|e| format!("--kvroute-config: not JSON: {e}"))?;
+    if !(a.collector_ms > 0.0 && a.sample_ms > 0.0 && a.engines > 0 && a.gateways > 0) {
+        return Err(
+            "--engines, --gateways, --collector-ms and --sample-ms must be positive".to_owned(),
+        );
+    }
+    let names: Vec<String> = if a.routers.is_empty() {
+        routers::ALL.iter().map(|s| (*s).to_owned()).collect()
+    } else {
+        a.routers.clone()
+    };
+    let opts = sim::Options {
+        engines: a.engines,
+        gateways: a.gateways,
+        spread: match a.spread {
+            SpreadArg::Request => Spread::Request,
+            SpreadArg::Session => Spread::Session,
+        },
+        collectors: match a.collectors {
+            CollectorsArg::Shared => Collectors::Shared,
+            CollectorsArg::PerGateway => Collectors::PerGateway,
+        },
+        engine,
+        model: a.model.clone(),
+        seed: a.workload.seed,
+        session_header: !a.no_session_header,
+        sample_s: a.sample_ms / 1000.0,
+        progress: !a.quiet,
+    };
+    eprintln!(
+        "simulate: {} ({} requests) on {} engines, {} gateway(s), routers {}",
+        wl.description.summary,
+        wl.requests(),
+        a.engines,
+        a.gateways,
+        names.join(",")
+    );
+    let mut runs = Vec::new();
+    let mut timing = Vec::new();
+    for name in &names {
+        let mut router = routers::build(
+            name,
+            a.engines,
+            a.gateways,
+            a.workload.seed,
+            &config,
+            a.collector_ms / 1000.0,
+            a.gateway_clock_scale,
+        )?;
+        let out = sim::run(&wl, router.as_mut(), &opts);
+        let s = &out.summary;
+        eprintln!(
+            "  {}: TTFT p50 {:.0} / p95 {:.0} / p99 {:.0} ms ({:.1}x the floor at p95), hit rate {:.1} % (LRU ceiling {:.1} %), {:.0} preemptions, {:.1} s wall",
+            s.router, s.ttft_ms.p50, s.ttft_ms.p95, s.ttft_ms.p99, s.ttft_p95_over_floor,
+            100.0 * s.hit_rate, 100.0 * s.ceilings.lru_hit_rate, s.preemptions, out.wall_s
+        );
+        timing.push(sim::timing(&out));
+        runs.push(out.summary);
+    }
+    let r = Report {
+        setup: vec![
+            format!(
+                "Fleet simulation in virtual time: {} x kvroute-sim engine model ({} KV blocks each), {} gateway instance(s) per router, requests spread per {:?}, {:?} collector(s).",
+                a.engines, opts.engine.kv_blocks, a.gateways, opts.spread, opts.collectors
+            ),
+            "Peers marked (modelled) are models of their documented algorithms (sources in crates/kvroute-bench/src/sim/routers.rs); kvroute runs kvroute-core's request path.".to_owned(),
+        ],
+        runs,
+    };
+    report::write(&r, &a.out)?;
+    let json = serde_json::to_vec_pretty(&timing).map_err(|e| e.to_string())?;
+    std::fs::write(a.out.join("timing.json"), json).map_err(|e| format!("timing.json: {e}"))?;
+    print!("{}", report::markdown(&r));
+    if a.check {
+        let bad = report::check_runs(&r);
+        if !bad.is_empty() {
+            for b in &bad {
+                eprintln!("check failed: {b}");
+            }
+            return Ok(ExitCode::FAILURE);
+        }
+        println!("checks passed: every router completed every request, figures consistent");
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -31,7 +31,9 @@ type PlotResult = Result<(), Box<dyn std::error::Error>>;
 pub fn ttft_cdf(runs: &[RunSummary], path: &Path) -> PlotResult {
     let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
     root.fill(&WHITE)?;
-    let all = runs.iter().flat_map(|r| r.ttft_sorted_ms.iter().copied());
+    let all = runs
+        .iter()
+        .flat_map(|r| r.ttft_quantiles_ms.iter().copied());
     let max = all.clone().fold(1.0f64, f64::max) * 1.2;
     let min = all.fold(f64::MAX, f64::min).clamp(0.1, max / 10.0) * 0.8;
     let mut chart = ChartBuilder::on(&root)
@@ -49,14 +51,14 @@ pub fn ttft_cdf(runs: &[RunSummary], path: &Path) -> PlotResult {
         .y_desc("fraction of requests")
         .draw()?;
     for (i, run) in runs.iter().enumerate() {
-        let n = run.ttft_sorted_ms.len().max(1) as f64;
+        let n = run.ttft_quantiles_ms.len().max(1) as f64;
         // At most ~2000 points per line keeps the SVG small.
-        let step = (run.ttft_sorted_ms.len() / 2000).max(1);
+        let step = (run.ttft_quantiles_ms.len() / 2000).max(1);
         let points = run
-            .ttft_sorted_ms
+            .ttft_quantiles_ms
             .iter()
             .enumerate()
-            .filter(|(k, _)| k % step == 0 || *k + 1 == run.ttft_sorted_ms.len())
+            .filter(|(k, _)| k % step == 0 || *k + 1 == run.ttft_quantiles_ms.len())
             .map(|(k, v)| (v.max(min), (k + 1) as f64 / n));
         let c = colour(i);
         chart

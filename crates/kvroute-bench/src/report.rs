@@ -31,17 +31,19 @@ pub fn markdown(r: &Report) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| router | TTFT p50 / p95 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 (ms) | req/s | output tok/s | errors | hit rate | of LRU ceiling | KV spread | preemptions |"
+        "| router | TTFT p50 / p95 / p99 (ms) | p95 / p99 over the floor | ITL p50 / p99 (ms) | E2E p50 (ms) | req/s | output tok/s | errors | hit rate | of LRU ceiling | KV spread | preemptions |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
     for run in &r.runs {
         let _ = writeln!(
             s,
-            "| {} | {:.0} / {:.0} / {:.0} | {:.1} / {:.1} | {:.0} | {:.2} | {:.0} | {} | {} | {} | {:.3} | {:.0} |",
+            "| {} | {:.0} / {:.0} / {:.0} | {:.1}x / {:.1}x | {:.1} / {:.1} | {:.0} | {:.2} | {:.0} | {} | {} | {} | {:.3} | {:.0} |",
             run.router,
             run.ttft_ms.p50,
             run.ttft_ms.p95,
             run.ttft_ms.p99,
+            run.ttft_p95_over_floor,
+            run.ttft_p99_over_floor,
             run.itl_ms.p50,
             run.itl_ms.p99,
             run.e2e_ms.p50,
@@ -60,7 +62,7 @@ pub fn markdown(r: &Report) -> String {
     );
     let _ = writeln!(
         s,
-        "| router | queue p50 / p99 | prefill p50 / p99 | E2E p50 / p99 | ITL p99 | requests per engine | hit rate (answers' cached_tokens) |"
+        "| router | queue p50 / p99 | prefill p50 / p99 | E2E p50 / p99 | ITL p99 | requests per engine | hit rate with re-admissions (engine counters) |"
     );
     let _ = writeln!(s, "|---|---|---|---|---|---|---|");
     for run in &r.runs {
@@ -77,7 +79,7 @@ pub fn markdown(r: &Report) -> String {
             run.e2e_ms.p99,
             run.itl_ms.p99,
             split.join(" / "),
-            pct(run.hit_rate_from_usage),
+            pct(run.hit_rate_with_readmissions),
         );
     }
     if let Some(first) = r.runs.first() {
@@ -89,6 +91,14 @@ pub fn markdown(r: &Report) -> String {
             pct(c.unbounded_hit_rate),
             c.lru_blocks,
             pct(c.lru_hit_rate)
+        );
+        let f = &first.ttft_floor_ms;
+        let _ = writeln!(
+            s,
+            "\nHit rate: prompt tokens cached at each request's first admission (the answers' `cached_tokens`) / prompt tokens. \
+             The no-queue TTFT floor (each request alone on an idle engine holding the LRU ceiling's cached prefix): \
+             p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms.",
+            f.p50, f.p95, f.p99
         );
         let _ = writeln!(
             s,
@@ -138,8 +148,27 @@ pub fn write(r: &Report, dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// The harness's own consistency checks; each failure is one line.
+/// The harness's own consistency checks, and that kvroute beats round
+/// robin on hit rate; each failure is one line.
 pub fn check(r: &Report) -> Vec<String> {
+    let mut bad = check_runs(r);
+    let find = |n: &str| r.runs.iter().find(|x| x.router == n);
+    match (find(KVROUTE), find(BASELINE)) {
+        (Some(k), Some(b)) if k.hit_rate <= b.hit_rate => bad.push(format!(
+            "{KVROUTE} hit rate {} does not beat {BASELINE}'s {}",
+            pct(k.hit_rate),
+            pct(b.hit_rate)
+        )),
+        (Some(_), Some(_)) => {}
+        _ => bad.push(format!(
+            "the comparison needs both {KVROUTE} and {BASELINE}"
+        )),
+    }
+    bad
+}
+
+/// The consistency checks of every run alone.
+pub fn check_runs(r: &Report) -> Vec<String> {
     let mut bad = Vec::new();
     if r.runs.is_empty() {
         bad.push("no router ran".to_owned());
@@ -169,18 +198,29 @@ pub fn check(r: &Report) -> Vec<String> {
                 c.unbounded_hit_rate, c.lru_hit_rate
             ));
         }
-        // The engines' hit rate can only exceed the unbounded ceiling by
-        // rounding (queries counted again after a preemption).
-        if !(0.0..=c.unbounded_hit_rate + 0.01).contains(&run.hit_rate) {
+        // Counted at first admission, no router can beat one engine with
+        // an unbounded cache that saw every earlier block.
+        if !(0.0..=c.unbounded_hit_rate + 1e-9).contains(&run.hit_rate) {
             bad.push(format!(
                 "{name}: hit rate {} outside [0, unbounded ceiling {}]",
                 run.hit_rate, c.unbounded_hit_rate
             ));
         }
-        if !(0.0..=1.0).contains(&run.hit_rate_from_usage) {
+        if !(0.0..=1.0).contains(&run.hit_rate_with_readmissions) {
             bad.push(format!(
-                "{name}: hit rate from usage {}",
-                run.hit_rate_from_usage
+                "{name}: hit rate with re-admissions {}",
+                run.hit_rate_with_readmissions
+            ));
+        }
+        // Nothing is faster than the request alone on an idle engine
+        // holding the ceiling's cache (the ceiling is an upper bound, so
+        // allow a little where a router beat the LRU ceiling's cache).
+        if run.ttft_floor_ms.count != run.completed
+            || run.ttft_floor_ms.p50 > run.ttft_ms.p50 * 1.5 + 1.0
+        {
+            bad.push(format!(
+                "{name}: TTFT floor {:?} inconsistent with TTFT {:?}",
+                run.ttft_floor_ms, run.ttft_ms
             ));
         }
         for (what, p) in [
@@ -201,10 +241,12 @@ pub fn check(r: &Report) -> Vec<String> {
                 run.samples.len()
             ));
         }
-        if run.ttft_sorted_ms.len() as u64 != run.completed {
+        let quantiles = run.ttft_quantiles_ms.len() as u64;
+        if quantiles != run.completed.min(crate::summary::TTFT_QUANTILES as u64)
+            || run.ttft_quantiles_ms.windows(2).any(|w| w[0] > w[1])
+        {
             bad.push(format!(
-                "{name}: {} TTFT samples for {} requests",
-                run.ttft_sorted_ms.len(),
+                "{name}: {quantiles} TTFT quantiles (not sorted, or not min(1000, completed)) for {} requests",
                 run.completed
             ));
         }
@@ -215,18 +257,6 @@ pub fn check(r: &Report) -> Vec<String> {
                 run.completed
             ));
         }
-    }
-    let find = |n: &str| r.runs.iter().find(|x| x.router == n);
-    match (find(KVROUTE), find(BASELINE)) {
-        (Some(k), Some(b)) if k.hit_rate <= b.hit_rate => bad.push(format!(
-            "{KVROUTE} hit rate {} does not beat {BASELINE}'s {}",
-            pct(k.hit_rate),
-            pct(b.hit_rate)
-        )),
-        (Some(_), Some(_)) => {}
-        _ => bad.push(format!(
-            "the comparison needs both {KVROUTE} and {BASELINE}"
-        )),
     }
     bad
 }

@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
-use crate::ceiling::{self, Ceilings};
+use kvroute_sim::engine::EngineConfig;
+
+use crate::ceiling::{Blocks, Ceiling, Ceilings};
 use crate::client::error_class;
 use crate::engines::{EngineReading, Sample};
 use crate::replay::Replay;
@@ -50,15 +52,23 @@ fn percentiles(values: impl IntoIterator<Item = f64>) -> Percentiles {
     }
 }
 
+/// How many TTFT quantiles a summary keeps for the CDF plot.
+pub const TTFT_QUANTILES: usize = 1000;
+
 /// One router's figures.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunSummary {
-    /// Short name (`envoy-round-robin`, `kvroute`, ...).
+    /// Short name (`envoy-round-robin`, `kvroute`, ...). A modelled peer's
+    /// name ends in `(modelled)`.
     pub router: String,
     /// How it was configured, one line.
     pub setup: String,
     pub workload: Description,
+    /// Modelled seconds per real second (0: virtual time, the simulation).
     pub time_scale: f64,
+    /// Gateway instances the router ran as (each with its own state).
+    #[serde(default = "one")]
+    pub gateways: usize,
     pub requests: u64,
     pub completed: u64,
     pub errors: u64,
@@ -71,15 +81,24 @@ pub struct RunSummary {
     /// Engine-reported queue wait and prefill time (simulator only).
     pub queue_ms: Percentiles,
     pub prefill_ms: Percentiles,
+    /// The no-queue TTFT floor of the same requests: each alone on an idle
+    /// engine holding the fleet-LRU ceiling's cached prefix
+    /// ([`kvroute_sim::engine::EngineConfig::idle_ttft_s`]).
+    pub ttft_floor_ms: Percentiles,
+    /// `ttft_ms.p95 / ttft_floor_ms.p95` and the same at p99.
+    pub ttft_p95_over_floor: f64,
+    pub ttft_p99_over_floor: f64,
     /// Modelled seconds from the first send to the last answer.
     pub duration_s: f64,
     pub requests_per_s: f64,
     pub output_tokens_per_s: f64,
-    /// Fleet prefix-cache hit rate from the engines' counters (hit tokens /
-    /// queried tokens, over the run).
+    /// The headline: prompt tokens served from the prefix cache at each
+    /// request's first admission (the answers' `cached_tokens`) / prompt
+    /// tokens.
     pub hit_rate: f64,
-    /// The same from the answers' `cached_tokens` (first admission only).
-    pub hit_rate_from_usage: f64,
+    /// The engines' own counters (hit tokens / queried tokens), which count
+    /// a preempted request again at every re-admission: secondary only.
+    pub hit_rate_with_readmissions: f64,
     pub ceilings: Ceilings,
     /// `hit_rate / ceilings.lru_hit_rate`.
     pub hit_fraction_of_lru: f64,
@@ -90,15 +109,23 @@ pub struct RunSummary {
     /// The simulator's lag over the run as a fraction of the run's
     /// modelled duration, worst engine. Above a few percent the host could
     /// not keep up with the time scale and the figures are distorted:
-    /// rerun with a lower `--time-scale`.
+    /// rerun with a lower `--time-scale`. Always 0 in virtual time.
     #[serde(default)]
     pub sim_lag_fraction: f64,
     /// Completed requests per engine (from the simulator's answers).
     pub per_engine_requests: Vec<u64>,
-    /// Every completed request's TTFT, sorted (for the CDF).
-    pub ttft_sorted_ms: Vec<f64>,
+    /// Completed requests per gateway instance.
+    #[serde(default)]
+    pub per_gateway_requests: Vec<u64>,
+    /// TTFT at [`TTFT_QUANTILES`] evenly spaced quantiles (fewer when
+    /// fewer requests completed), for the CDF.
+    pub ttft_quantiles_ms: Vec<f64>,
     /// The engine timeline (modelled time).
     pub samples: Vec<Sample>,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Counter change of one engine from the first to the last good reading.
@@ -121,58 +148,247 @@ fn counter_delta(samples: &[Sample], engine: usize, f: impl Fn(&EngineReading) -
     }
 }
 
-impl RunSummary {
-    pub fn new(
-        router: &str,
-        setup: &str,
-        workload: &Description,
-        time_scale: f64,
-        replay: &Replay,
-    ) -> Self {
-        let records = &replay.records;
-        let ok: Vec<_> = records
-            .iter()
-            .filter(|r| r.outcome.error.is_none())
-            .collect();
-        let mut errors_by_class = BTreeMap::new();
-        let mut error_examples = Vec::new();
-        for r in records {
-            if let Some(e) = &r.outcome.error {
-                *errors_by_class.entry(error_class(e)).or_insert(0) += 1;
-                if error_examples.len() < 5 {
-                    error_examples.push(e.clone());
+/// One completed request, as the summary needs it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Done {
+    pub ttft_ms: f64,
+    pub e2e_ms: f64,
+    pub queue_ms: Option<f64>,
+    pub prefill_ms: Option<f64>,
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    pub completion_tokens: u64,
+    pub engine: Option<u64>,
+    pub gateway: usize,
+}
+
+/// Builds a [`RunSummary`] one request at a time, so that the real-time
+/// replay and the fleet simulation (which may run millions of requests)
+/// reduce their runs the same way.
+pub struct Tally {
+    engine: EngineConfig,
+    ceiling: Ceiling,
+    floor_ms: Vec<f64>,
+    ttft_ms: Vec<f64>,
+    e2e_ms: Vec<f64>,
+    queue_ms: Vec<f64>,
+    prefill_ms: Vec<f64>,
+    itl: Option<Histogram<u64>>,
+    requests: u64,
+    completed: u64,
+    errors_by_class: BTreeMap<String, u64>,
+    error_examples: Vec<String>,
+    output_tokens: u64,
+    usage_prompt: u64,
+    usage_cached: u64,
+    per_engine: Vec<u64>,
+    per_gateway: Vec<u64>,
+}
+
+impl Tally {
+    /// `engine` is the engines' configuration (for the TTFT floor),
+    /// `fleet_blocks` their KV capacity in all (for the LRU ceiling).
+    pub fn new(engine: &EngineConfig, fleet_blocks: u64, engines: usize) -> Self {
+        Self {
+            engine: engine.clone(),
+            ceiling: Ceiling::new(fleet_blocks),
+            floor_ms: Vec::new(),
+            ttft_ms: Vec::new(),
+            e2e_ms: Vec::new(),
+            queue_ms: Vec::new(),
+            prefill_ms: Vec::new(),
+            itl: histogram(),
+            requests: 0,
+            completed: 0,
+            errors_by_class: BTreeMap::new(),
+            error_examples: Vec::new(),
+            output_tokens: 0,
+            usage_prompt: 0,
+            usage_cached: 0,
+            per_engine: vec![0; engines],
+            per_gateway: Vec::new(),
+        }
+    }
+
+    /// A request that was (or will be) served, in send order: its blocks
+    /// feed the ceilings and its floor.
+    pub fn sent(&mut self, blocks: &Blocks) {
+        let cached = self.ceiling.add(blocks);
+        let prompt = usize::try_from(blocks.prompt_tokens).unwrap_or(usize::MAX);
+        let cached = usize::try_from(cached).unwrap_or(usize::MAX);
+        self.floor_ms
+            .push(1000.0 * self.engine.idle_ttft_s(prompt, cached));
+    }
+
+    pub fn failed(&mut self, error: &str) {
+        self.requests += 1;
+        *self.errors_by_class.entry(error_class(error)).or_insert(0) += 1;
+        if self.error_examples.len() < 5 {
+            self.error_examples.push(error.to_owned());
+        }
+    }
+
+    pub fn completed(&mut self, d: &Done, itl_ms: &[f64]) {
+        self.requests += 1;
+        self.completed += 1;
+        if d.ttft_ms.is_finite() {
+            self.ttft_ms.push(d.ttft_ms);
+        }
+        self.e2e_ms.push(d.e2e_ms);
+        self.queue_ms.extend(d.queue_ms);
+        self.prefill_ms.extend(d.prefill_ms);
+        if let Some(h) = self.itl.as_mut() {
+            for &v in itl_ms {
+                if v.is_finite() && v >= 0.0 {
+                    let _ = h.record(((v * 1000.0) as u64).clamp(1, 3_600_000_000));
                 }
             }
         }
-        let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.outcome.ttft_ms).collect();
-        ttft.sort_by(f64::total_cmp);
-        let output_tokens: u64 = ok
-            .iter()
-            .map(|r| {
-                r.outcome
-                    .usage
-                    .completion_tokens
-                    .unwrap_or(r.outcome.text.len().div_ceil(4) as u64)
-            })
-            .sum();
+        self.output_tokens += d.completion_tokens;
+        if let (Some(p), Some(c)) = (d.prompt_tokens, d.cached_tokens) {
+            self.usage_prompt += p;
+            self.usage_cached += c;
+        }
+        if let Some(slot) = d.engine.and_then(|e| {
+            self.per_engine
+                .get_mut(usize::try_from(e).unwrap_or(usize::MAX))
+        }) {
+            *slot += 1;
+        }
+        if self.per_gateway.len() <= d.gateway {
+            self.per_gateway.resize(d.gateway + 1, 0);
+        }
+        if let Some(slot) = self.per_gateway.get_mut(d.gateway) {
+            *slot += 1;
+        }
+    }
+
+    /// The summary of the run. `samples` is the engine timeline, `duration_s`
+    /// the modelled time from the first send to the last answer.
+    pub fn finish(mut self, run: RunInfo<'_>, samples: Vec<Sample>, duration_s: f64) -> RunSummary {
+        let engines = samples.iter().map(|s| s.engines.len()).max().unwrap_or(0);
+        let sum = |f: &dyn Fn(&EngineReading) -> f64| -> f64 {
+            (0..engines).map(|e| counter_delta(&samples, e, f)).sum()
+        };
+        let queries = sum(&|r| r.cache_queries);
+        let hits = sum(&|r| r.cache_hits);
+        let preemptions = sum(&|r| r.preemptions);
+        let lag = (0..engines)
+            .map(|e| counter_delta(&samples, e, |r| r.lag_s))
+            .fold(0.0, f64::max);
+        let (mut spread, mut level, mut n) = (0.0, 0.0, 0usize);
+        for s in &samples {
+            let kv: Vec<f64> = s.engines.iter().flatten().map(|r| r.kv).collect();
+            if kv.len() >= 2 && kv.len() == s.engines.len() {
+                let max = kv.iter().copied().fold(f64::MIN, f64::max);
+                let min = kv.iter().copied().fold(f64::MAX, f64::min);
+                spread += max - min;
+                level += kv.iter().sum::<f64>() / kv.len() as f64;
+                n += 1;
+            }
+        }
+        let ceilings = self.ceiling.finish();
+        let hit_rate = if self.usage_prompt > 0 {
+            self.usage_cached as f64 / self.usage_prompt as f64
+        } else {
+            0.0
+        };
+        self.ttft_ms.sort_by(f64::total_cmp);
+        let ttft = percentiles(self.ttft_ms.iter().copied());
+        let floor = percentiles(self.floor_ms.iter().copied());
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        let duration = duration_s.max(1e-9);
+        RunSummary {
+            router: run.router.to_owned(),
+            setup: run.setup.to_owned(),
+            workload: run.workload.clone(),
+            time_scale: run.time_scale,
+            gateways: run.gateways,
+            requests: self.requests,
+            completed: self.completed,
+            errors: self.requests - self.completed,
+            errors_by_class: self.errors_by_class,
+            error_examples: self.error_examples,
+            ttft_ms: ttft,
+            itl_ms: self
+                .itl
+                .as_ref()
+                .map_or_else(Percentiles::default, of_histogram),
+            e2e_ms: percentiles(self.e2e_ms.iter().copied()),
+            queue_ms: percentiles(self.queue_ms.iter().copied()),
+            prefill_ms: percentiles(self.prefill_ms.iter().copied()),
+            ttft_floor_ms: floor,
+            ttft_p95_over_floor: ratio(ttft.p95, floor.p95),
+            ttft_p99_over_floor: ratio(ttft.p99, floor.p99),
+            duration_s,
+            requests_per_s: self.completed as f64 / duration,
+            output_tokens_per_s: self.output_tokens as f64 / duration,
+            hit_rate,
+            hit_rate_with_readmissions: if queries > 0.0 { hits / queries } else { 0.0 },
+            hit_fraction_of_lru: if ceilings.lru_hit_rate > 0.0 {
+                hit_rate / ceilings.lru_hit_rate
+            } else {
+                0.0
+            },
+            ceilings,
+            kv_spread_mean: if n > 0 { spread / n as f64 } else { 0.0 },
+            kv_mean: if n > 0 { level / n as f64 } else { 0.0 },
+            preemptions,
+            sim_lag_fraction: lag / duration,
+            per_engine_requests: self.per_engine,
+            per_gateway_requests: self.per_gateway,
+            ttft_quantiles_ms: quantiles(&self.ttft_ms, TTFT_QUANTILES),
+            samples,
+        }
+    }
+}
+
+/// What names a run in its summary.
+#[derive(Debug, Clone, Copy)]
+pub struct RunInfo<'a> {
+    pub router: &'a str,
+    pub setup: &'a str,
+    pub workload: &'a Description,
+    pub time_scale: f64,
+    pub gateways: usize,
+}
+
+fn of_histogram(h: &Histogram<u64>) -> Percentiles {
+    if h.is_empty() {
+        return Percentiles::default();
+    }
+    let ms = |us: u64| us as f64 / 1000.0;
+    Percentiles {
+        count: h.len(),
+        mean: h.mean() / 1000.0,
+        p50: ms(h.value_at_quantile(0.50)),
+        p95: ms(h.value_at_quantile(0.95)),
+        p99: ms(h.value_at_quantile(0.99)),
+        max: ms(h.max()),
+    }
+}
+
+/// At most `n` evenly spaced order statistics of sorted `v`, the last
+/// always included.
+fn quantiles(v: &[f64], n: usize) -> Vec<f64> {
+    if v.len() <= n {
+        return v.to_vec();
+    }
+    (1..=n)
+        .filter_map(|k| v.get((k * v.len()).div_ceil(n).saturating_sub(1)).copied())
+        .collect()
+}
+
+impl RunSummary {
+    /// The summary of a real-time replay. The engines are taken to run
+    /// the simulator's default step costs (for the floor).
+    pub fn new(run: RunInfo<'_>, replay: &Replay) -> Self {
         let engines = replay
             .samples
             .iter()
             .map(|s| s.engines.len())
             .max()
             .unwrap_or(0);
-        let queries: f64 = (0..engines)
-            .map(|e| counter_delta(&replay.samples, e, |r| r.cache_queries))
-            .sum();
-        let hits: f64 = (0..engines)
-            .map(|e| counter_delta(&replay.samples, e, |r| r.cache_hits))
-            .sum();
-        let preemptions: f64 = (0..engines)
-            .map(|e| counter_delta(&replay.samples, e, |r| r.preemptions))
-            .sum();
-        let lag = (0..engines)
-            .map(|e| counter_delta(&replay.samples, e, |r| r.lag_s))
-            .fold(0.0, f64::max);
         let fleet_blocks: f64 = (0..engines)
             .map(|e| {
                 replay
@@ -183,77 +399,36 @@ impl RunSummary {
                     .fold(0.0, f64::max)
             })
             .sum();
-        let ceilings = ceiling::ceilings(ok.iter().map(|r| &r.blocks), fleet_blocks as u64);
-        let hit_rate = if queries > 0.0 { hits / queries } else { 0.0 };
-        let usage_prompt: u64 = ok
-            .iter()
-            .filter_map(|r| r.outcome.usage.prompt_tokens)
-            .sum();
-        let usage_cached: u64 = ok
-            .iter()
-            .filter_map(|r| r.outcome.usage.cached_tokens)
-            .sum();
-        let (mut spread, mut level, mut n) = (0.0, 0.0, 0usize);
-        for s in &replay.samples {
-            let kv: Vec<f64> = s.engines.iter().flatten().map(|r| r.kv).collect();
-            if kv.len() >= 2 && kv.len() == s.engines.len() {
-                let max = kv.iter().copied().fold(f64::MIN, f64::max);
-                let min = kv.iter().copied().fold(f64::MAX, f64::min);
-                spread += max - min;
-                level += kv.iter().sum::<f64>() / kv.len() as f64;
-                n += 1;
+        let mut tally = Tally::new(&EngineConfig::default(), fleet_blocks as u64, engines);
+        for r in &replay.records {
+            if r.outcome.error.is_none() {
+                tally.sent(&r.blocks);
             }
         }
-        let mut per_engine = vec![0u64; engines];
-        for r in &ok {
-            if let Some(slot) = r
-                .outcome
-                .usage
-                .engine
-                .and_then(|e| per_engine.get_mut(e as usize))
-            {
-                *slot += 1;
+        for r in &replay.records {
+            let o = &r.outcome;
+            match (&o.error, o.ttft_ms) {
+                (Some(e), _) => tally.failed(e),
+                (None, ttft) => tally.completed(
+                    &Done {
+                        ttft_ms: ttft.unwrap_or(f64::NAN),
+                        e2e_ms: o.e2e_ms,
+                        queue_ms: o.usage.queue_ms,
+                        prefill_ms: o.usage.prefill_ms,
+                        prompt_tokens: o.usage.prompt_tokens,
+                        cached_tokens: o.usage.cached_tokens,
+                        completion_tokens: o
+                            .usage
+                            .completion_tokens
+                            .unwrap_or(o.text.len().div_ceil(4) as u64),
+                        engine: o.usage.engine,
+                        gateway: 0,
+                    },
+                    &o.itl_ms,
+                ),
             }
         }
-        let duration = replay.duration_s.max(1e-9);
-        Self {
-            router: router.to_owned(),
-            setup: setup.to_owned(),
-            workload: workload.clone(),
-            time_scale,
-            requests: records.len() as u64,
-            completed: ok.len() as u64,
-            errors: (records.len() - ok.len()) as u64,
-            errors_by_class,
-            error_examples,
-            ttft_ms: percentiles(ttft.iter().copied()),
-            itl_ms: percentiles(ok.iter().flat_map(|r| r.outcome.itl_ms.iter().copied())),
-            e2e_ms: percentiles(ok.iter().map(|r| r.outcome.e2e_ms)),
-            queue_ms: percentiles(ok.iter().filter_map(|r| r.outcome.usage.queue_ms)),
-            prefill_ms: percentiles(ok.iter().filter_map(|r| r.outcome.usage.prefill_ms)),
-            duration_s: replay.duration_s,
-            requests_per_s: ok.len() as f64 / duration,
-            output_tokens_per_s: output_tokens as f64 / duration,
-            hit_rate,
-            hit_rate_from_usage: if usage_prompt > 0 {
-                usage_cached as f64 / usage_prompt as f64
-            } else {
-                0.0
-            },
-            hit_fraction_of_lru: if ceilings.lru_hit_rate > 0.0 {
-                hit_rate / ceilings.lru_hit_rate
-            } else {
-                0.0
-            },
-            ceilings,
-            kv_spread_mean: if n > 0 { spread / n as f64 } else { 0.0 },
-            kv_mean: if n > 0 { level / n as f64 } else { 0.0 },
-            preemptions,
-            sim_lag_fraction: lag / replay.duration_s.max(1e-9),
-            per_engine_requests: per_engine,
-            ttft_sorted_ms: ttft,
-            samples: replay.samples.clone(),
-        }
+        tally.finish(run, replay.samples.clone(), replay.duration_s)
     }
 }
 

@@ -157,7 +157,8 @@ pub struct Workload {
 }
 
 impl Workload {
-    fn new(kind: &str, summary: String, mut sessions: Vec<Session>) -> Self {
+    /// A workload of `sessions` (sorted by start), described as `kind`.
+    pub fn new(kind: &str, summary: String, mut sessions: Vec<Session>) -> Self {
         sessions.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
         let requests = sessions.iter().map(|s| s.turns.len()).sum::<usize>();
         let first = sessions.first().map_or(0.0, |s| s.start_ms);

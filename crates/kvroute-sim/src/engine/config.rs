@@ -129,6 +129,25 @@ impl EngineConfig {
             .sum();
         self.step_fixed_us + self.prefill_token_us * prefill_tokens as f64 + decode
     }
+
+    /// Modelled seconds from arrival to first token for a request alone on
+    /// an idle engine with `cached` of its `prompt` tokens in the prefix
+    /// cache: its uncached tokens (at least one) in chunks of
+    /// `max_num_batched_tokens`, one step each, the last one sampling the
+    /// first token. No router can do better for that request; the
+    /// benchmark's no-queue TTFT floor is this with the fleet-LRU ceiling's
+    /// cached prefix.
+    pub fn idle_ttft_s(&self, prompt: usize, cached: usize) -> f64 {
+        let mut left = prompt.saturating_sub(cached).max(1);
+        let chunk = self.max_num_batched_tokens.max(1);
+        let mut us = 0.0;
+        while left > 0 {
+            let n = left.min(chunk);
+            us += self.step_time_us(n, &[]);
+            left -= n;
+        }
+        us / 1e6
+    }
 }
 
 #[cfg(test)]
@@ -163,5 +182,19 @@ mod tests {
             ..EngineConfig::default()
         };
         assert!(bad.validate().unwrap_err().0.contains("kv_blocks"));
+    }
+
+    #[test]
+    fn idle_ttft_is_the_chunked_prefill_of_the_uncached_part() {
+        let c = EngineConfig {
+            step_fixed_us: 100.0,
+            prefill_token_us: 1.0,
+            max_num_batched_tokens: 1000,
+            ..EngineConfig::default()
+        };
+        // 2500 uncached tokens: chunks of 1000, 1000, 500.
+        assert!((c.idle_ttft_s(3000, 500) - (3.0 * 100.0 + 2500.0) / 1e6).abs() < 1e-12);
+        // A fully cached prompt still computes one token.
+        assert!((c.idle_ttft_s(64, 64) - 101.0 / 1e6).abs() < 1e-12);
     }
 }

@@ -37,6 +37,22 @@ use super::prompt::{
     BLOCK_TOKENS,
 };
 
+/// One engine's figures at one moment, as its `/metrics` page reports
+/// them (gauges now, counters since start or the last reset).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Reading {
+    pub running: usize,
+    pub waiting: usize,
+    /// Blocks in use by running requests / capacity (`vllm:kv_cache_usage_perc`).
+    pub kv_usage: f64,
+    /// Capacity in blocks (`num_gpu_blocks`).
+    pub kv_blocks: usize,
+    /// Prompt tokens looked up at every admission, re-admissions included.
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+    pub preemptions: u64,
+}
+
 /// A request as the scheduler takes it.
 #[derive(Debug, Clone)]
 pub struct NewRequest {
@@ -283,6 +299,29 @@ impl Scheduler {
             },
             num_gpu_blocks: cap,
         }
+    }
+
+    /// What a scrape of this engine reads (the figures of `/metrics`), for
+    /// a driver that does not go through HTTP: the fleet simulation's
+    /// modelled collector and engine sampler.
+    pub fn reading(&self) -> Reading {
+        let g = self.gauges();
+        Reading {
+            running: g.running,
+            waiting: g.waiting,
+            kv_usage: g.kv_usage,
+            kv_blocks: g.num_gpu_blocks,
+            prefix_queries: self.stats.prefix_queries,
+            prefix_hits: self.stats.prefix_hits,
+            preemptions: self.stats.preemptions,
+        }
+    }
+
+    /// Leading blocks of `hashes` (this engine's chained block hashes, see
+    /// [`super::block_hashes`]) held in the prefix cache now: what a router
+    /// fed by the engine's KV events knows.
+    pub fn cached_prefix_blocks(&self, hashes: &[u64]) -> usize {
+        self.kv.match_prefix(hashes).len()
     }
 
     /// Running and waiting requests.

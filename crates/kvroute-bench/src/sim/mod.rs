@@ -1,0 +1,674 @@
+//! The fleet simulation: routers in front of simulated engines, in virtual
+//! time (`kvroute-bench simulate`, `make sim`).
+//!
+//! ```text
+//!   workload (any family, any Mooncake-format trace)
+//!        | open loop: sessions start at their own times, turns follow answers
+//!        v
+//!   gateway 0..K-1  (chosen per request, seeded; or per session)
+//!        |  router: kvroute-core's request path, or a modelled peer
+//!        v
+//!   engines 0..N-1  (kvroute-sim's Scheduler: the same step function the
+//!        |           real-time engine server drives)
+//!        '--> modelled collector: scrapes every interval, pushes after a delay
+//! ```
+//!
+//! # Time
+//!
+//! Nothing here reads a clock on the modelled path. Events (an arrival, an
+//! engine step ending, a scrape, a push landing, a sample) sit in one queue
+//! ordered by modelled time, then by the order they were queued, so the same
+//! seed and inputs give the same run, byte for byte. An engine steps back to
+//! back while it has work and idles otherwise, exactly as the real-time
+//! server's scheduler thread does, but a step takes no real time: the router
+//! costs nothing in modelled latency, however slow the host. (The real-time
+//! bench turns host contention into modelled latency; see
+//! `docs/simulator.md`.)
+//!
+//! # Engines
+//!
+//! [`kvroute_sim::engine::sched::Scheduler`]: the paged KV cache with
+//! prefix caching and LRU eviction, continuous batching with chunked
+//! prefill, preemption and the step-cost model. There is no second engine
+//! model: the simulation calls `submit` and `step` where the server's
+//! connection and scheduler threads do. Its answers are the engine's
+//! generated words, so a next turn carries the history the real client
+//! would send.
+//!
+//! # Gateways and routers
+//!
+//! A [`routers::Router`] holds the state of K gateway instances. kvroute's
+//! ([`routers::Kvroute`]) runs kvroute-core's request path per gateway
+//! against its own in-memory shared data: `analyze` of the same JSON body
+//! the real client sends, the output-length prior, the snapshot decode
+//! (`FleetCache`), `route` with the prefix index and the load table, the
+//! release of the prompt part at the first token and of the rest at the
+//! end, and `usage::observe` on one response in four. The modelled
+//! collector turns each engine's figures into the fleet snapshot the real
+//! collector pushes, and `ingest::store` takes it in. The peers are models
+//! of their documented algorithms and say so in their names.
+//!
+//! # What is measured
+//!
+//! The same [`RunSummary`] as the real-time bench (see [`crate::summary`]):
+//! the headline hit rate counts prompt tokens cached at each request's
+//! first admission; the ceilings and the no-queue TTFT floor are computed on
+//! the same requests. The native CPU time of kvroute's decisions is measured
+//! around its request path and reported apart from the summary, so that the
+//! summary stays deterministic.
+
+pub mod routers;
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap};
+use std::io::IsTerminal;
+use std::rc::Rc;
+use std::time::Instant;
+
+use serde::Serialize;
+use xxhash_rust::xxh64::xxh64;
+
+use kvroute_sim::engine::sched::{NewRequest, Reading, Scheduler, SeqEvent};
+use kvroute_sim::engine::{
+    block_hashes, chat_prompt, generated_text, EngineConfig, BLOCK_BYTES, BLOCK_TOKENS,
+    BYTES_PER_TOKEN,
+};
+
+use crate::ceiling::Blocks;
+use crate::engines::{EngineReading, Sample};
+use crate::rng::Rng;
+use crate::summary::{Done, RunInfo, RunSummary, Tally};
+use crate::workload::{Session, Workload};
+
+use routers::{Request, Router, Ticket};
+
+/// How requests are spread over the gateway instances.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Spread {
+    /// Each request to a gateway drawn at random (seeded): a Service that
+    /// spreads connections, one request per connection.
+    Request,
+    /// Every request of a session to one gateway (a client that keeps its
+    /// connection).
+    Session,
+}
+
+/// Who scrapes the engines for the gateways.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Collectors {
+    /// One collector pushes every snapshot to every gateway.
+    Shared,
+    /// One collector per gateway (the sidecar layout), each on its own
+    /// phase of the interval.
+    PerGateway,
+}
+
+/// How to simulate.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub engines: usize,
+    pub gateways: usize,
+    pub spread: Spread,
+    pub collectors: Collectors,
+    pub engine: EngineConfig,
+    pub model: String,
+    /// Seeds the gateway spread, the engines' text and the peers' draws.
+    pub seed: u64,
+    /// Send the session key as `x-session-id` (as the real bench does).
+    pub session_header: bool,
+    /// Engine timeline sampling interval, modelled seconds.
+    pub sample_s: f64,
+    /// Print progress to stderr.
+    pub progress: bool,
+}
+
+/// A run's summary, and what is measured outside it.
+pub struct Outcome {
+    pub summary: RunSummary,
+    /// Native CPU time of each kvroute decision, ns (empty for peers).
+    pub decision_ns: Vec<u64>,
+    /// Wall-clock seconds the simulation took.
+    pub wall_s: f64,
+    /// Events processed.
+    pub events: u64,
+    pub steps: u64,
+}
+
+/// The engines' addresses in snapshots and destination headers. Nothing
+/// is sent to them: they only name the replicas.
+pub fn engine_address(i: usize) -> String {
+    format!("127.1.{}.{}:8000", i / 256, i % 256)
+}
+
+#[derive(Debug)]
+enum Kind {
+    /// The next turn of a session is sent.
+    Arrive { session: usize },
+    /// An engine that was idle looks for work.
+    Wake { engine: usize },
+    /// An engine's step ends: its tokens come out.
+    StepDone {
+        engine: usize,
+        out: kvroute_sim::engine::sched::StepOutput,
+    },
+    /// A collector scrapes every engine.
+    Scrape { collector: usize },
+    /// A collector's readings reach a gateway.
+    Deliver {
+        gateway: usize,
+        readings: Rc<Vec<Reading>>,
+        taken_s: f64,
+    },
+    /// The engine timeline is sampled.
+    Sample,
+}
+
+struct Event {
+    t: f64,
+    seq: u64,
+    kind: Kind,
+}
+
+impl PartialEq for Event {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Event {}
+impl PartialOrd for Event {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Event {
+    /// Reversed, so that the max-heap pops the earliest (then first queued).
+    fn cmp(&self, other: &Self) -> Ordering {
+        other
+            .t
+            .total_cmp(&self.t)
+            .then_with(|| other.seq.cmp(&self.seq))
+    }
+}
+
+struct Queue {
+    heap: BinaryHeap<Event>,
+    seq: u64,
+}
+
+impl Queue {
+    fn push(&mut self, t: f64, kind: Kind) {
+        self.seq += 1;
+        self.heap.push(Event {
+            t,
+            seq: self.seq,
+            kind,
+        });
+    }
+}
+
+/// A session's progress.
+struct Live {
+    next_turn: usize,
+    history: Vec<(&'static str, String)>,
+    gateway: Option<usize>,
+}
+
+/// A request on an engine.
+struct Flight {
+    session: usize,
+    gateway: usize,
+    ticket: Ticket,
+    sent_s: f64,
+    first_s: Option<f64>,
+    last_s: f64,
+    itl_ms: Vec<f64>,
+    answer: Vec<u8>,
+}
+
+struct Engine {
+    sched: Scheduler,
+    stepping: bool,
+}
+
+/// Runs `workload` through `router` on a fresh fleet.
+pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outcome {
+    let wall = Instant::now();
+    let n = opts.engines.max(1);
+    let k = opts.gateways.max(1);
+    let mut engines: Vec<Engine> = (0..n)
+        .map(|_| Engine {
+            sched: Scheduler::new(opts.engine.clone(), opts.seed),
+            stepping: false,
+        })
+        .collect();
+    let fleet_blocks = (opts.engine.kv_blocks * n) as u64;
+    let mut tally = Tally::new(&opts.engine, fleet_blocks, n);
+    let mut q = Queue {
+        heap: BinaryHeap::new(),
+        seq: 0,
+    };
+    let sessions: &[Session] = &workload.sessions;
+    let mut live: Vec<Option<Live>> = sessions.iter().map(|_| None).collect();
+    let mut open = 0usize;
+    for (i, s) in sessions.iter().enumerate() {
+        if !s.turns.is_empty() {
+            q.push(s.start_ms / 1000.0, Kind::Arrive { session: i });
+            open += 1;
+        }
+    }
+    let first_s = sessions
+        .iter()
+        .map(|s| s.start_ms / 1000.0)
+        .fold(f64::INFINITY, f64::min);
+    let first_s = if first_s.is_finite() { first_s } else { 0.0 };
+    let interval = router.scrape_interval_s();
+    let collectors = match opts.collectors {
+        Collectors::Shared => 1,
+        Collectors::PerGateway => k,
+    };
+    if let Some(iv) = interval {
+        for c in 0..collectors {
+            // Sidecar collectors start at different moments of the interval.
+            let phase = iv * c as f64 / collectors as f64;
+            q.push(first_s + phase, Kind::Scrape { collector: c });
+        }
+    }
+    q.push(first_s, Kind::Sample);
+    let mut rng = Rng::new(opts.seed ^ 0x7370_7265_6164);
+    let mut flights: HashMap<(usize, u64), Flight> = HashMap::new();
+    let mut samples = Vec::new();
+    let mut last_answer_s = first_s;
+    let total = workload.requests();
+    let mut sent = 0usize;
+    let mut events = 0u64;
+    let mut steps = 0u64;
+    let mut last_print = Instant::now();
+    let tty = std::io::stderr().is_terminal();
+    let label = router.name();
+
+    while let Some(ev) = q.heap.pop() {
+        events += 1;
+        let now = ev.t;
+        if opts.progress && last_print.elapsed().as_secs_f64() >= if tty { 0.5 } else { 10.0 } {
+            last_print = Instant::now();
+            let line = format!(
+                "  {label}: {sent}/{total} sent, {} in flight, {:.0} s modelled, {:.1} s wall",
+                flights.len(),
+                now - first_s,
+                wall.elapsed().as_secs_f64()
+            );
+            if tty {
+                eprint!("\r{line}   ");
+            } else {
+                eprintln!("{line}");
+            }
+        }
+        match ev.kind {
+            Kind::Arrive { session } => {
+                let Some(s) = sessions.get(session) else {
+                    continue;
+                };
+                let Some(slot) = live.get_mut(session) else {
+                    continue;
+                };
+                let state = slot.get_or_insert_with(|| Live {
+                    next_turn: 0,
+                    history: s
+                        .system
+                        .as_ref()
+                        .map(|t| vec![("system", t.render(opts.seed))])
+                        .unwrap_or_default(),
+                    gateway: None,
+                });
+                let Some(turn) = s.turns.get(state.next_turn) else {
+                    continue;
+                };
+                state.next_turn += 1;
+                sent += 1;
+                state.history.push(("user", turn.user.render(opts.seed)));
+                let gateway = match opts.spread {
+                    Spread::Request => rng.below(k as u64) as usize,
+                    Spread::Session => *state.gateway.get_or_insert_with(|| {
+                        (xxh64(&session.to_le_bytes(), opts.seed) % k as u64) as usize
+                    }),
+                };
+                let max_tokens = (turn.max_tokens as usize).max(1);
+                let body = chat_body(&opts.model, &state.history, max_tokens);
+                let prompt = chat_prompt(&state.history);
+                let key = s.key.as_deref().filter(|_| opts.session_header);
+                let prompt_tokens = prompt.len().div_ceil(BYTES_PER_TOKEN);
+                let req = Request {
+                    body: &body,
+                    session: key,
+                    messages: &state.history,
+                    prompt: &prompt,
+                    model: &opts.model,
+                    prompt_tokens,
+                    max_tokens,
+                };
+                let routed = router.route(gateway, &req, now, &engines_view(&engines));
+                let outcome = routed.and_then(|ticket| {
+                    let e = engines
+                        .get_mut(ticket.engine)
+                        .ok_or_else(|| format!("router named engine {} of {n}", ticket.engine))?;
+                    let id = e
+                        .sched
+                        .submit(
+                            NewRequest {
+                                model: opts.model.clone(),
+                                prompt: prompt.clone(),
+                                max_tokens,
+                            },
+                            now,
+                        )
+                        .map_err(|r| format!("engine: refused: {r:?}"))?;
+                    Ok((ticket, id))
+                });
+                match outcome {
+                    Ok((ticket, id)) => {
+                        // The ceilings see prompt and answer at send time
+                        // (the answer is a function of the prompt).
+                        let answer = generated_text(opts.seed, &prompt, max_tokens);
+                        let mut all = prompt;
+                        all.extend_from_slice(answer.as_bytes());
+                        tally.sent(&Blocks {
+                            hashes: block_hashes(&opts.model, &all),
+                            prompt_blocks: prompt_tokens * BYTES_PER_TOKEN / BLOCK_BYTES,
+                            prompt_tokens: prompt_tokens as u64,
+                        });
+                        let engine = ticket.engine;
+                        flights.insert(
+                            (engine, id),
+                            Flight {
+                                session,
+                                gateway,
+                                ticket,
+                                sent_s: now,
+                                first_s: None,
+                                last_s: now,
+                                itl_ms: Vec::new(),
+                                answer: Vec::with_capacity(max_tokens * BYTES_PER_TOKEN),
+                            },
+                        );
+                        if engines.get(engine).is_some_and(|e| !e.stepping) {
+                            q.push(now, Kind::Wake { engine });
+                        }
+                    }
+                    Err(why) => {
+                        tally.failed(&why);
+                        state.history.pop();
+                        next_turn(&mut q, sessions, &mut live, session, now, &mut open);
+                    }
+                }
+            }
+            Kind::Wake { engine } => {
+                if let Some(e) = engines.get_mut(engine) {
+                    if !e.stepping {
+                        if let Some(out) = e.sched.step(now) {
+                            steps += 1;
+                            e.stepping = true;
+                            q.push(out.end(), Kind::StepDone { engine, out });
+                        }
+                    }
+                }
+            }
+            Kind::StepDone { engine, out } => {
+                for ev in out.events {
+                    match ev {
+                        SeqEvent::Token { id, word, done, .. } => {
+                            let Some(f) = flights.get_mut(&(engine, id)) else {
+                                continue;
+                            };
+                            f.answer.extend_from_slice(&word);
+                            match f.first_s {
+                                None => {
+                                    f.first_s = Some(now);
+                                    router.first_token(f.gateway, &f.ticket, now);
+                                }
+                                Some(_) => f.itl_ms.push(1000.0 * (now - f.last_s)),
+                            }
+                            f.last_s = now;
+                            let Some(summary) = done else {
+                                continue;
+                            };
+                            let Some(f) = flights.remove(&(engine, id)) else {
+                                continue;
+                            };
+                            router.finished(f.gateway, &f.ticket, &summary, now);
+                            tally.completed(
+                                &Done {
+                                    ttft_ms: 1000.0 * (f.first_s.unwrap_or(now) - f.sent_s),
+                                    e2e_ms: 1000.0 * (now - f.sent_s),
+                                    queue_ms: Some(1000.0 * summary.queue_s),
+                                    prefill_ms: Some(1000.0 * summary.prefill_s),
+                                    prompt_tokens: Some(summary.prompt_tokens as u64),
+                                    cached_tokens: Some(summary.cached_tokens as u64),
+                                    completion_tokens: summary.completion_tokens as u64,
+                                    engine: Some(engine as u64),
+                                    gateway: f.gateway,
+                                },
+                                &f.itl_ms,
+                            );
+                            last_answer_s = last_answer_s.max(now);
+                            if let Some(Some(state)) = live.get_mut(f.session) {
+                                let text = String::from_utf8_lossy(&f.answer).into_owned();
+                                state.history.push(("assistant", text));
+                            }
+                            next_turn(&mut q, sessions, &mut live, f.session, now, &mut open);
+                        }
+                        SeqEvent::Failed { id } => {
+                            if let Some(f) = flights.remove(&(engine, id)) {
+                                router.finished_failed(f.gateway, &f.ticket, now);
+                                tally.failed("engine: failed");
+                                if let Some(Some(state)) = live.get_mut(f.session) {
+                                    state.history.pop();
+                                }
+                                next_turn(&mut q, sessions, &mut live, f.session, now, &mut open);
+                            }
+                        }
+                    }
+                }
+                if let Some(e) = engines.get_mut(engine) {
+                    match e.sched.step(now) {
+                        Some(out) => {
+                            steps += 1;
+                            q.push(out.end(), Kind::StepDone { engine, out });
+                        }
+                        None => e.stepping = false,
+                    }
+                }
+            }
+            Kind::Scrape { collector } => {
+                if open == 0 {
+                    continue;
+                }
+                let readings = Rc::new(
+                    engines
+                        .iter()
+                        .map(|e| e.sched.reading())
+                        .collect::<Vec<_>>(),
+                );
+                let delay = router.scrape_delay_s();
+                for gateway in 0..k {
+                    if collectors == 1 || gateway == collector {
+                        q.push(
+                            now + delay,
+                            Kind::Deliver {
+                                gateway,
+                                readings: Rc::clone(&readings),
+                                taken_s: now,
+                            },
+                        );
+                    }
+                }
+                if let Some(iv) = interval {
+                    q.push(now + iv, Kind::Scrape { collector });
+                }
+            }
+            Kind::Deliver {
+                gateway,
+                readings,
+                taken_s,
+            } => router.on_readings(gateway, &readings, taken_s, now),
+            Kind::Sample => {
+                samples.push(Sample {
+                    t_s: now - first_s,
+                    engines: engines
+                        .iter()
+                        .map(|e| Some(engine_reading(&e.sched.reading())))
+                        .collect(),
+                });
+                if open > 0 || !flights.is_empty() {
+                    q.push(now + opts.sample_s.max(0.01), Kind::Sample);
+                }
+            }
+        }
+    }
+    if opts.progress && tty {
+        eprintln!();
+    }
+    let setup = router.setup();
+    let summary = tally.finish(
+        RunInfo {
+            router: &label,
+            setup: &setup,
+            workload: &workload.description,
+            time_scale: 0.0,
+            gateways: k,
+        },
+        samples,
+        last_answer_s - first_s,
+    );
+    Outcome {
+        summary,
+        decision_ns: router.decision_ns(),
+        wall_s: wall.elapsed().as_secs_f64(),
+        events,
+        steps,
+    }
+}
+
+/// Queues the session's next turn after its think time, or closes it.
+fn next_turn(
+    q: &mut Queue,
+    sessions: &[Session],
+    live: &mut [Option<Live>],
+    session: usize,
+    now: f64,
+    open: &mut usize,
+) {
+    let Some(Some(state)) = live.get_mut(session) else {
+        return;
+    };
+    match sessions
+        .get(session)
+        .and_then(|s| s.turns.get(state.next_turn))
+    {
+        Some(turn) => q.push(now + turn.think_ms / 1000.0, Kind::Arrive { session }),
+        None => {
+            // Done: its history is no longer needed.
+            if let Some(slot) = live.get_mut(session) {
+                *slot = None;
+            }
+            *open = open.saturating_sub(1);
+        }
+    }
+}
+
+fn engines_view(engines: &[Engine]) -> Vec<&Scheduler> {
+    engines.iter().map(|e| &e.sched).collect()
+}
+
+fn engine_reading(r: &Reading) -> EngineReading {
+    EngineReading {
+        kv: r.kv_usage,
+        running: r.running as f64,
+        waiting: r.waiting as f64,
+        cache_queries: r.prefix_queries as f64,
+        cache_hits: r.prefix_hits as f64,
+        preemptions: r.preemptions as f64,
+        kv_blocks: r.kv_blocks as f64,
+        block_size: BLOCK_TOKENS as f64,
+        lag_s: 0.0,
+    }
+}
+
+#[derive(Serialize)]
+struct Message<'a> {
+    role: &'a str,
+    content: &'a str,
+}
+
+#[derive(Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+#[derive(Serialize)]
+struct ChatRequest<'a> {
+    model: &'a str,
+    messages: Vec<Message<'a>>,
+    max_tokens: usize,
+    stream: bool,
+    stream_options: StreamOptions,
+}
+
+/// The JSON body the real-time client sends for this history.
+fn chat_body(model: &str, history: &[(&'static str, String)], max_tokens: usize) -> Vec<u8> {
+    serde_json::to_vec(&ChatRequest {
+        model,
+        messages: history
+            .iter()
+            .map(|(role, content)| Message { role, content })
+            .collect(),
+        max_tokens,
+        stream: true,
+        stream_options: StreamOptions {
+            include_usage: true,
+        },
+    })
+    .unwrap_or_default()
+}
+
+/// What a run cost to simulate, and kvroute's decision CPU (native, wall
+/// clock around its request path inside the simulation).
+#[derive(Debug, Clone, Serialize)]
+pub struct Timing {
+    pub router: String,
+    pub requests: u64,
+    pub wall_s: f64,
+    pub events: u64,
+    pub steps: u64,
+    /// Decisions timed (kvroute only).
+    pub decisions: usize,
+    pub decision_mean_us: f64,
+    pub decision_p50_us: f64,
+    pub decision_p99_us: f64,
+}
+
+/// The [`Timing`] of a run.
+pub fn timing(o: &Outcome) -> Timing {
+    let mut ns = o.decision_ns.clone();
+    ns.sort_unstable();
+    let at = |q: f64| {
+        ns.get(((ns.len() as f64 * q) as usize).min(ns.len().saturating_sub(1)))
+            .map_or(0.0, |&v| v as f64 / 1000.0)
+    };
+    Timing {
+        router: o.summary.router.clone(),
+        requests: o.summary.requests,
+        wall_s: o.wall_s,
+        events: o.events,
+        steps: o.steps,
+        decisions: ns.len(),
+        decision_mean_us: if ns.is_empty() {
+            0.0
+        } else {
+            ns.iter().sum::<u64>() as f64 / ns.len() as f64 / 1000.0
+        },
+        decision_p50_us: at(0.5),
+        decision_p99_us: at(0.99),
+    }
+}
