@@ -168,7 +168,7 @@ up: venv build
 # fresh simulated fleet each time. Writes $(BENCH_OUT)/report.{json,md} and the
 # plots. TRACE=<file> for another Mooncake-format trace; BENCH_FLAGS for the
 # window, rate and the rest (scripts/bench.py --help).
-TRACE       ?= ../shared/traces/mooncake_synthetic_trace.jsonl
+TRACE       ?= bench/traces/mooncake_synthetic_trace.jsonl
 BENCH_OUT   ?= bench/results
 BENCH_FLAGS ?=
 SIM_BIN     := target/release/kvroute-sim

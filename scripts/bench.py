@@ -51,7 +51,7 @@ import harness  # noqa: E402
 REPO = harness.REPO_ROOT
 SIM = REPO / "target" / "release" / "kvroute-sim"
 BENCH = REPO / "target" / "release" / "kvroute-bench"
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = REPO / "bench" / "traces" / "mooncake_synthetic_trace.jsonl"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SESSION_HEADER = "x-session-id"
 # Same slack as kvroute's bounded load (epsilon 0.25): a host takes at most

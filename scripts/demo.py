@@ -9,7 +9,7 @@ By default (about a minute): four simulated engines (kvroute-sim --mode
 engine on 127.0.0.1:8001-8004: paged KV cache with prefix caching, continuous
 batching, a Llama-3.1-8B-on-H100 step-time model, 20x faster than real time),
 then the same small workload (a window of the Mooncake trace in
-../shared/traces, or shared-prefix groups if it is not there) through Envoy
+bench/traces, shipped with the project) through Envoy
 round robin and through Envoy + kvroute + kvroute-collector on the local
 stack's ports, one after the other, each on a fresh fleet; then a short
 comparison: time to first token, prefix-cache hit rate from the engines'

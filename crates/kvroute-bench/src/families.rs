@@ -10,13 +10,13 @@
 //!
 //! | family | what | per replica |
 //! |---|---|---|
-//! | `chat` | multi-turn chat with long answers: 10-16 turns, answers 300-1000 tokens, user turns ~150 tokens, think ~4 s, 8 shared 2k-token system prompts; KV memory binds | 0.06 new sessions/s |
-//! | `groups` | shared-prefix groups: 4 groups of 6k-token documents, 8 users each, short questions and answers | 1.2 requests/s |
-//! | `mix` | the heterogeneous mix: 200-in/50-out requests (90 %) and 30,000-in/2,000-out requests (10 %), interleaved, no shared prefix | 0.5 requests/s |
-//! | `agent` | agent loops: one context starting at 46k-70k tokens, each turn adding a 1k-4k token tool result and a ~80-token answer, turns ~1 s apart, until 120k tokens | 0.012 new loops/s |
-//! | `bursts` | 4-turn chat sessions arriving on/off: 30 s at 3x the mean rate, then 60 s of nothing | 0.12 new sessions/s on average |
-//! | `ramp` | the same sessions, the rate ramping linearly from 0.25x to 1.75x the mean over the run | 0.12 new sessions/s on average |
-//! | `tenants` | many tenants: 200 distinct system prompts per replica (~2k tokens), Zipf popularity (s = 1), 1-3 turns of short questions | 0.8 new sessions/s |
+//! | `chat` | multi-turn chat with long answers: 10-16 turns, answers 300-1000 tokens, user turns ~150 tokens, think ~4 s, 8 shared 2k-token system prompts; KV memory binds | 0.3 new sessions/s |
+//! | `groups` | shared-prefix groups: 4 groups of 6k-token documents, 8 users each, short questions and answers | 6 requests/s |
+//! | `mix` | the heterogeneous mix: 200-in/50-out requests (90 %) and 30,000-in/2,000-out requests (10 %), interleaved, no shared prefix | 1.5 requests/s |
+//! | `agent` | agent loops: one context starting at 46k-70k tokens, each turn adding a 1k-4k token tool result and a ~80-token answer, turns ~1 s apart, until 120k tokens | 0.015 new loops/s |
+//! | `bursts` | chat sessions of 1-7 turns (answers 100-400 tokens, 8 shared 1k-token system prompts) arriving on/off: 30 s at 3x the mean rate, then 60 s of nothing | 2 new sessions/s on average |
+//! | `ramp` | the same sessions, the rate ramping linearly from 0.25x to 1.75x the mean over the run | 2 new sessions/s on average |
+//! | `tenants` | many tenants: 200 distinct system prompts per replica (~2k tokens), Zipf popularity (s = 1), 1-3 turns of short questions | 4 new sessions/s |
 //!
 //! Plus any Mooncake-format trace ([`crate::workload::from_mooncake`]).
 
@@ -117,7 +117,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
     let flat = |_: f64| 1.0;
     let sessions = match name {
         "chat" => {
-            let starts = arrivals(&mut rng, 0.06 * r * o.load, o.duration_s, 1.0, flat);
+            let starts = arrivals(&mut rng, 0.3 * r * o.load, o.duration_s, 1.0, flat);
             chat_sessions(
                 &mut rng,
                 &starts,
@@ -132,7 +132,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
         }
         "groups" => {
             let groups = (4.0 * r).ceil() as usize;
-            let starts = arrivals(&mut rng, 1.2 * r * o.load, o.duration_s, 1.0, flat);
+            let starts = arrivals(&mut rng, 6.0 * r * o.load, o.duration_s, 1.0, flat);
             starts
                 .into_iter()
                 .map(|t| {
@@ -152,7 +152,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
                 .collect()
         }
         "mix" => {
-            let starts = arrivals(&mut rng, 0.5 * r * o.load, o.duration_s, 1.0, flat);
+            let starts = arrivals(&mut rng, 1.5 * r * o.load, o.duration_s, 1.0, flat);
             starts
                 .into_iter()
                 .map(|t| {
@@ -179,7 +179,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
                 .collect()
         }
         "agent" => {
-            let starts = arrivals(&mut rng, 0.012 * r * o.load, o.duration_s, 1.0, flat);
+            let starts = arrivals(&mut rng, 0.015 * r * o.load, o.duration_s, 1.0, flat);
             let tools = Zipf::new((2.0 * r).ceil() as usize, 1.0);
             starts
                 .into_iter()
@@ -192,7 +192,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
                     let mut turns = Vec::new();
                     let mut user = first;
                     while turns.len() < 40 {
-                        let out = clamp(rng.lognormal(80.0, 0.6), 8, 400);
+                        let out = clamp(rng.lognormal(80.0, 0.6), 8, 400).min(120_000 - total);
                         turns.push(Turn {
                             user: words(rng.next_u64(), user),
                             max_tokens: out as u32,
@@ -220,7 +220,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
         }
         "bursts" => {
             // 30 s on at 3x, 60 s off: the mean rate is the family's rate.
-            let starts = arrivals(&mut rng, 0.12 * r * o.load, o.duration_s, 3.0, |t| {
+            let starts = arrivals(&mut rng, 2.0 * r * o.load, o.duration_s, 3.0, |t| {
                 if t % 90.0 < 30.0 {
                     3.0
                 } else {
@@ -241,7 +241,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
         }
         "ramp" => {
             let d = o.duration_s;
-            let starts = arrivals(&mut rng, 0.12 * r * o.load, d, 1.75, |t| 0.25 + 1.5 * t / d);
+            let starts = arrivals(&mut rng, 2.0 * r * o.load, d, 1.75, |t| 0.25 + 1.5 * t / d);
             chat_sessions(
                 &mut rng,
                 &starts,
@@ -257,7 +257,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
         "tenants" => {
             let n = (200.0 * r).ceil() as usize;
             let popularity = Zipf::new(n, 1.0);
-            let starts = arrivals(&mut rng, 0.8 * r * o.load, o.duration_s, 1.0, flat);
+            let starts = arrivals(&mut rng, 4.0 * r * o.load, o.duration_s, 1.0, flat);
             starts
                 .into_iter()
                 .enumerate()

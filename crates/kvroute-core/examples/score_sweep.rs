@@ -4,7 +4,7 @@
 //! realistic simulator and benchmark exist; its engine model is deliberately
 //! simple (see `Replica`), so read its figures as relative, not absolute.
 //!
-//! `cargo run --release -p kvroute-core --example score_sweep -- ../shared/traces/mooncake_synthetic_trace.jsonl [replicas] [rate]`
+//! `cargo run --release -p kvroute-core --example score_sweep -- bench/traces/mooncake_synthetic_trace.jsonl [replicas] [rate]`
 
 #![allow(
     clippy::unwrap_used,

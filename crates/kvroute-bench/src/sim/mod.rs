@@ -129,6 +129,8 @@ pub struct Outcome {
     pub summary: RunSummary,
     /// Native CPU time of each kvroute decision, ns (empty for peers).
     pub decision_ns: Vec<u64>,
+    /// The router's own counters (kvroute's `kvroute_*`; empty for peers).
+    pub counters: std::collections::BTreeMap<String, u64>,
     /// Wall-clock seconds the simulation took.
     pub wall_s: f64,
     /// Events processed.
@@ -544,6 +546,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
     Outcome {
         summary,
         decision_ns: router.decision_ns(),
+        counters: router.counters(),
         wall_s: wall.elapsed().as_secs_f64(),
         events,
         steps,
@@ -646,6 +649,7 @@ pub struct Timing {
     pub decision_mean_us: f64,
     pub decision_p50_us: f64,
     pub decision_p99_us: f64,
+    pub counters: std::collections::BTreeMap<String, u64>,
 }
 
 /// The [`Timing`] of a run.
@@ -670,5 +674,6 @@ pub fn timing(o: &Outcome) -> Timing {
         },
         decision_p50_us: at(0.5),
         decision_p99_us: at(0.99),
+        counters: o.counters.clone(),
     }
 }

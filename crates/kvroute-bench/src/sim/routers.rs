@@ -115,6 +115,11 @@ pub trait Router {
     fn decision_ns(&mut self) -> Vec<u64> {
         Vec::new()
     }
+    /// The router's own counters over the run, summed over its gateways
+    /// (kvroute's `kvroute_*` counters; empty for the peers).
+    fn counters(&mut self) -> BTreeMap<String, u64> {
+        BTreeMap::new()
+    }
 }
 
 /// The routers `kvroute-bench simulate --routers` knows, in report order.
@@ -406,6 +411,16 @@ impl Router for Kvroute {
 
     fn decision_ns(&mut self) -> Vec<u64> {
         std::mem::take(&mut self.decision_ns)
+    }
+
+    fn counters(&mut self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for g in &self.gateways {
+            for (c, n) in g.metrics.drain() {
+                *out.entry(c.name().to_owned()).or_insert(0) += n;
+            }
+        }
+        out
     }
 }
 
