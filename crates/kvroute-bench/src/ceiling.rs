@@ -13,7 +13,7 @@
 //! under the engines' own rule (at least one prompt token is computed).
 //! Its prompt and answer blocks are then cached (and refreshed in LRU order).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -37,12 +37,15 @@ pub struct Ceilings {
     pub lru_blocks: u64,
 }
 
-/// An LRU set of block hashes.
+/// An LRU set of block hashes: the last touch of each hash, and the
+/// touches in order; an entry of the queue whose hash was touched again
+/// later is stale and skipped (amortised O(1) a touch, where a sorted map
+/// was a quarter of a long simulation's time).
 struct Lru {
     capacity: usize,
     tick: u64,
     at: HashMap<u64, u64>,
-    order: BTreeMap<u64, u64>,
+    order: VecDeque<(u64, u64)>,
 }
 
 impl Lru {
@@ -51,7 +54,7 @@ impl Lru {
             capacity,
             tick: 0,
             at: HashMap::new(),
-            order: BTreeMap::new(),
+            order: VecDeque::new(),
         }
     }
 
@@ -64,15 +67,20 @@ impl Lru {
             return;
         }
         self.tick += 1;
-        if let Some(old) = self.at.insert(h, self.tick) {
-            self.order.remove(&old);
-        }
-        self.order.insert(self.tick, h);
+        self.at.insert(h, self.tick);
+        self.order.push_back((self.tick, h));
         while self.at.len() > self.capacity {
-            let Some((_, victim)) = self.order.pop_first() else {
+            let Some((t, victim)) = self.order.pop_front() else {
                 break;
             };
-            self.at.remove(&victim);
+            if self.at.get(&victim) == Some(&t) {
+                self.at.remove(&victim);
+            }
+        }
+        // Drop stale entries once they outnumber the live ones.
+        if self.order.len() > 2 * self.at.len() + 1024 {
+            let at = &self.at;
+            self.order.retain(|(t, h)| at.get(h) == Some(t));
         }
     }
 }

@@ -36,5 +36,6 @@ pub mod replay;
 pub mod report;
 pub mod rng;
 pub mod sim;
+pub mod suite;
 pub mod summary;
 pub mod workload;

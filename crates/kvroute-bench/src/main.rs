@@ -48,6 +48,49 @@ enum Command {
     /// Run a workload through routers in the fleet simulation (virtual
     /// time); write report.json, report.md, the plots and timing.json.
     Simulate(Box<SimulateArgs>),
+    /// The simulation suite: every family and the trace through every
+    /// router at one fleet size and K gateways, then a fleet-size series;
+    /// writes the reports, suite.json, plots and simulation.md.
+    Suite(SuiteArgs),
+}
+
+#[derive(Debug, Args)]
+struct SuiteArgs {
+    /// Directory for the per-run reports, suite.json, the plots and simulation.md.
+    #[arg(long)]
+    out: PathBuf,
+    /// Also write the Markdown here (e.g. docs/simulation.md; its plots are
+    /// referenced as simulation/*.svg, so put --out next to it).
+    #[arg(long)]
+    docs: Option<PathBuf>,
+    /// A Mooncake-format trace to include (its rate scaled to the fleet).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    #[arg(long, default_value_t = 16)]
+    replicas: usize,
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    gateways: Vec<usize>,
+    /// Seconds of arrivals per family.
+    #[arg(long, default_value_t = 300.0)]
+    duration: f64,
+    /// Routers (default: all).
+    #[arg(long, value_delimiter = ',')]
+    routers: Vec<String>,
+    /// Fleet sizes of the scale series (empty: none).
+    #[arg(long, value_delimiter = ',')]
+    scale: Vec<usize>,
+    #[arg(long, default_value = "chat")]
+    scale_family: String,
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "round-robin,least-request,llm-d,kvroute"
+    )]
+    scale_routers: Vec<String>,
+    #[arg(long, default_value_t = 120.0)]
+    scale_duration: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -411,6 +454,7 @@ fn main() -> ExitCode {
         Command::Replay(r) => run_replay(&r),
         Command::Report(r) => run_report(&r),
         Command::Simulate(s) => run_simulate(&s),
+        Command::Suite(s) => run_suite(&s),
     };
     match result {
         Ok(code) => code,
@@ -572,6 +616,48 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
         }
         println!("checks passed: every router completed every request, figures consistent");
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_suite(a: &SuiteArgs) -> Result<ExitCode, String> {
+    let all = || {
+        routers::ALL
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect::<Vec<_>>()
+    };
+    let command = std::env::args()
+        .map(|a| if a.contains(' ') { format!("'{a}'") } else { a })
+        .collect::<Vec<_>>()
+        .join(" ");
+    let o = kvroute_bench::suite::SuiteOptions {
+        out: a.out.clone(),
+        docs: a.docs.clone(),
+        trace: a.trace.clone(),
+        replicas: a.replicas,
+        gateways: a.gateways.clone(),
+        duration_s: a.duration,
+        routers: if a.routers.is_empty() {
+            all()
+        } else {
+            a.routers.clone()
+        },
+        scale: a.scale.clone(),
+        scale_family: a.scale_family.clone(),
+        scale_routers: a.scale_routers.clone(),
+        scale_duration_s: a.scale_duration,
+        seed: a.seed,
+        command,
+    };
+    let rows = kvroute_bench::suite::run(&o)?;
+    println!(
+        "suite: {} runs; wrote {}/simulation.md, suite.json, the plots{}",
+        rows.len(),
+        a.out.display(),
+        a.docs
+            .as_ref()
+            .map_or(String::new(), |d| format!(" and {}", d.display()))
+    );
     Ok(ExitCode::SUCCESS)
 }
 

@@ -111,9 +111,9 @@ pub fn kv_timeline(runs: &[RunSummary], path: &Path) -> PlotResult {
             .map(|s| s.engines.len())
             .max()
             .unwrap_or(0);
-        // At most ~600 points per line keeps the SVG small.
+        // At most ~600 points per line and 32 lines keep the SVG small.
         let step = (run.samples.len() / 600).max(1);
-        for e in 0..engines {
+        for e in 0..engines.min(32) {
             let points = run
                 .samples
                 .iter()
@@ -122,6 +122,157 @@ pub fn kv_timeline(runs: &[RunSummary], path: &Path) -> PlotResult {
             chart.draw_series(LineSeries::new(points, colour(e).stroke_width(1)))?;
         }
     }
+    root.present()?;
+    Ok(())
+}
+
+/// Grouped bars: one group per category, one bar per series.
+pub fn bars(
+    path: &Path,
+    title: &str,
+    categories: &[String],
+    series: &[(String, Vec<f64>)],
+    y_desc: &str,
+    log: bool,
+) -> PlotResult {
+    let root = SVGBackend::new(path, (1100, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let values = series
+        .iter()
+        .flat_map(|(_, v)| v.iter().copied())
+        .filter(|v| v.is_finite() && *v > 0.0);
+    let max = values.clone().fold(1e-9f64, f64::max) * 1.3;
+    let min = values.fold(f64::MAX, f64::min).min(max / 10.0) * 0.8;
+    let n = categories.len().max(1);
+    let k = series.len().max(1);
+    let width = 1.0 / (k as f64 + 1.0);
+    let mut builder = ChartBuilder::on(&root);
+    builder
+        .caption(title, ("sans-serif", 18))
+        .margin(14)
+        .x_label_area_size(36)
+        .y_label_area_size(60);
+    let label = |x: &f64| {
+        let i = x.floor() as usize;
+        if (x - x.floor() - 0.5).abs() < 1e-6 {
+            categories.get(i).cloned().unwrap_or_default()
+        } else {
+            String::new()
+        }
+    };
+    let rect = |i: usize, j: usize, v: f64, base: f64| {
+        let x0 = i as f64 + width * (j as f64 + 0.5);
+        Rectangle::new([(x0, base), (x0 + width, v.max(base))], colour(j).filled())
+    };
+    if log {
+        let mut chart = builder.build_cartesian_2d(0.0..n as f64, (min..max).log_scale())?;
+        chart
+            .configure_mesh()
+            .x_labels(2 * n + 1)
+            .x_label_formatter(&label)
+            .y_desc(y_desc)
+            .disable_x_mesh()
+            .draw()?;
+        for (j, (name, v)) in series.iter().enumerate() {
+            let c = colour(j);
+            chart
+                .draw_series(
+                    v.iter()
+                        .enumerate()
+                        .filter(|(_, v)| v.is_finite() && **v > 0.0)
+                        .map(|(i, &v)| rect(i, j, v, min)),
+                )?
+                .label(name.clone())
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
+    } else {
+        let mut chart = builder.build_cartesian_2d(0.0..n as f64, 0.0..max)?;
+        chart
+            .configure_mesh()
+            .x_labels(2 * n + 1)
+            .x_label_formatter(&label)
+            .y_desc(y_desc)
+            .disable_x_mesh()
+            .draw()?;
+        for (j, (name, v)) in series.iter().enumerate() {
+            let c = colour(j);
+            chart
+                .draw_series(
+                    v.iter()
+                        .enumerate()
+                        .filter(|(_, v)| v.is_finite())
+                        .map(|(i, &v)| rect(i, j, v, 0.0)),
+                )?
+                .label(name.clone())
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+/// Lines over a log-scaled x axis, one per series (NaN points skipped).
+pub fn lines(
+    path: &Path,
+    title: &str,
+    xs: &[f64],
+    series: &[(String, Vec<f64>)],
+    x_desc: &str,
+    y_desc: &str,
+) -> PlotResult {
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let x_min = xs.iter().copied().fold(f64::MAX, f64::min).max(1.0) * 0.8;
+    let x_max = xs.iter().copied().fold(1.0f64, f64::max) * 1.25;
+    let y_max = series
+        .iter()
+        .flat_map(|(_, v)| v.iter().copied())
+        .filter(|v| v.is_finite())
+        .fold(1e-9f64, f64::max)
+        * 1.2;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(14)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((x_min..x_max).log_scale(), 0.0..y_max)?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .draw()?;
+    for (j, (name, v)) in series.iter().enumerate() {
+        let c = colour(j);
+        let points: Vec<(f64, f64)> = xs
+            .iter()
+            .copied()
+            .zip(v.iter().copied())
+            .filter(|(_, y)| y.is_finite())
+            .collect();
+        chart.draw_series(points.iter().map(|&p| Circle::new(p, 4, c.filled())))?;
+        chart
+            .draw_series(LineSeries::new(points, c.stroke_width(2)))?
+            .label(name.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
     Ok(())
 }

@@ -134,6 +134,12 @@ pub const ALL: &[&str] = &[
     "kvroute",
 ];
 
+/// The key of a router's report name (`round-robin (modelled)` ->
+/// `round-robin`).
+pub fn canonical(name: &str) -> &str {
+    name.trim_end_matches(" (modelled)")
+}
+
 /// Builds router `name` for `engines` replicas and `gateways` instances.
 /// `kvroute_config` is kvroute's plugin JSON without `hosts`.
 pub fn build(
