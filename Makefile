@@ -35,7 +35,7 @@ CRD_TOOLS   := $(TOOLS)/crd
 
 .PHONY: all build wasm collector tools targets venv wasm-bindgen test test-native test-wasm test-e2e \
         lint fmt demo up bench bench-smoke bench-tools bench-build bench-decide bench-overhead clean oci oci-tool oci-tools collector-static collector-image crd-tools \
-        faults soak
+        faults soak sim sim-smoke sim-hour
 
 all: build
 
@@ -123,7 +123,7 @@ collector-image: oci
 
 ## --- tests ----------------------------------------------------------------
 
-test: tools lint test-native test-wasm build oci test-e2e bench-smoke
+test: tools lint test-native test-wasm build oci test-e2e bench-smoke sim-smoke
 
 lint: targets
 	$(CARGO) fmt --all --check
@@ -229,6 +229,36 @@ bench-decide-wasm: targets
 BENCH_ARGS ?= --write-docs --require-peers
 bench-overhead: venv targets bench-tools
 	$(PY) scripts/bench_overhead.py $(BENCH_ARGS)
+
+## --- fleet simulation (docs/simulator.md, docs/simulation.md) -----------
+
+# The fleet simulation in virtual time (kvroute-bench simulate / suite):
+# kvroute-sim's engine model, kvroute-core's request path per gateway and
+# the modelled peers; no processes, no sockets, deterministic. `make sim`
+# runs every workload family and the trace through every router at 16
+# replicas with K = 1 and 4 gateways, then the fleet-size series (16 to
+# 1,024 replicas), and rewrites docs/simulation.md and docs/simulation/
+# (about half an hour on 2 cores). SIM_ARGS passes more flags to the suite.
+SIM_OUT   ?= docs/simulation
+SIM_ARGS  ?=
+sim: bench-build
+	$(BENCH_BIN) suite --out $(SIM_OUT) --docs docs/simulation.md --trace $(TRACE) \
+	  --replicas 16 --gateways 1,4 --scale 16,64,256,1024 $(SIM_ARGS)
+
+# A few seconds of simulation as part of `make test`: two families through
+# every router on 4 replicas and 2 gateways, with the report's checks.
+sim-smoke: bench-build
+	$(BENCH_BIN) simulate --workload family --family chat --family-replicas 4 --duration 30 \
+	  --engines 4 --gateways 2 --quiet --check --out target/sim-smoke/chat > /dev/null
+	$(BENCH_BIN) simulate --workload family --family groups --family-replicas 4 --duration 30 \
+	  --engines 4 --gateways 2 --quiet --check --out target/sim-smoke/groups > /dev/null
+	@echo "sim-smoke: every router completed every request on both families; checks passed"
+
+# One modelled hour of the chat family on 1,024 replicas (kvroute alone),
+# for the simulator's own speed and memory (docs/simulator.md).
+sim-hour: bench-build
+	$(BENCH_BIN) simulate --workload family --family chat --family-replicas 1024 --duration 3600 \
+	  --engines 1024 --routers kvroute --no-samples --out target/sim-hour
 
 ## --- faults and soak (docs/reliability.md#faults, #soak) ------------------
 

@@ -195,6 +195,9 @@ struct SimulateArgs {
     /// No progress lines.
     #[arg(long)]
     quiet: bool,
+    /// Leave the engine timeline out of report.json (large fleets).
+    #[arg(long)]
+    no_samples: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -589,8 +592,27 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
             s.router, s.ttft_ms.p50, s.ttft_ms.p95, s.ttft_ms.p99, s.ttft_p95_over_floor,
             100.0 * s.hit_rate, 100.0 * s.ceilings.lru_hit_rate, s.preemptions, out.wall_s
         );
-        timing.push(sim::timing(&out));
-        runs.push(out.summary);
+        let t = sim::timing(&out);
+        eprintln!(
+            "    {} events, {} engine steps, peak memory {:.0} MiB{}",
+            t.events,
+            t.steps,
+            t.peak_rss_mib,
+            if t.decisions > 0 {
+                format!(
+                    ", decision CPU mean {:.1} µs, p99 {:.1} µs (native, wall clock)",
+                    t.decision_mean_us, t.decision_p99_us
+                )
+            } else {
+                String::new()
+            }
+        );
+        timing.push(t);
+        let mut summary = out.summary;
+        if a.no_samples {
+            summary.samples.clear();
+        }
+        runs.push(summary);
     }
     let r = Report {
         setup: vec![

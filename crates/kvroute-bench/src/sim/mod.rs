@@ -118,7 +118,8 @@ pub struct Options {
     pub seed: u64,
     /// Send the session key as `x-session-id` (as the real bench does).
     pub session_header: bool,
-    /// Engine timeline sampling interval, modelled seconds.
+    /// Engine timeline sampling interval, modelled seconds (at least the
+    /// workload's span / 1000, so that a long run keeps ~1000 samples).
     pub sample_s: f64,
     /// Print progress to stderr.
     pub progress: bool,
@@ -289,6 +290,10 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
     let mut last_print = Instant::now();
     let tty = std::io::stderr().is_terminal();
     let label = router.name();
+    let sample_s = opts
+        .sample_s
+        .max(workload.description.span_s / 1000.0)
+        .max(0.01);
 
     while let Some(ev) = q.heap.pop() {
         events += 1;
@@ -523,7 +528,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                         .collect(),
                 });
                 if open > 0 || !flights.is_empty() {
-                    q.push(now + opts.sample_s.max(0.01), Kind::Sample);
+                    q.push(now + sample_s, Kind::Sample);
                 }
             }
         }
@@ -650,6 +655,21 @@ pub struct Timing {
     pub decision_p50_us: f64,
     pub decision_p99_us: f64,
     pub counters: std::collections::BTreeMap<String, u64>,
+    /// The process's peak resident memory so far (VmHWM), MiB.
+    pub peak_rss_mib: f64,
+}
+
+/// The process's peak resident set (Linux `VmHWM`), MiB; 0 elsewhere.
+pub fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 /// The [`Timing`] of a run.
@@ -675,5 +695,6 @@ pub fn timing(o: &Outcome) -> Timing {
         decision_p50_us: at(0.5),
         decision_p99_us: at(0.99),
         counters: o.counters.clone(),
+        peak_rss_mib: peak_rss_mib(),
     }
 }
