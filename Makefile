@@ -243,7 +243,8 @@ SIM_OUT   ?= docs/simulation
 SIM_ARGS  ?=
 sim: bench-build
 	$(BENCH_BIN) suite --out $(SIM_OUT) --docs docs/simulation.md --trace $(TRACE) \
-	  --replicas 16 --gateways 1,4 --scale 16,64,256,1024 $(SIM_ARGS)
+	  --replicas 16 --gateways 1,4 --scale 16,64,256,1024 --scale-duration 20 \
+	  --scale-routers round-robin,least-request,kvroute $(SIM_ARGS)
 
 # A few seconds of simulation as part of `make test`: two families through
 # every router on 4 replicas and 2 gateways, with the report's checks.

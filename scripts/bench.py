@@ -338,7 +338,9 @@ def workload_args(args) -> list[str]:
 def parse_args(argv):
     p = argparse.ArgumentParser(description="kvroute routing benchmark on the simulated fleet")
     p.add_argument("--routers", default=",".join(ALL_ROUTERS), help="comma-separated, in report order")
-    p.add_argument("--workload", choices=["trace", "sessions", "groups"], default="trace")
+    p.add_argument("--workload", choices=["trace", "sessions", "groups", "family"], default="trace",
+                   help="family: a family of the simulation's workload suite, e.g. "
+                        "--workload family --workload-arg=--family=groups --workload-arg=--family-replicas=4")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace (JSON lines)")
     # The default: the whole trace at 1.5x. Round robin is clearly loaded
     # there (TTFT p99 about 14 s against about 4 s at 1x on the shared

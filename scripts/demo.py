@@ -12,8 +12,8 @@ then the same small workload (a window of the Mooncake trace in
 bench/traces, shipped with the project) through Envoy
 round robin and through Envoy + kvroute + kvroute-collector on the local
 stack's ports, one after the other, each on a fresh fleet; then a short
-comparison: time to first token, prefix-cache hit rate from the engines'
-own counters, KV spread. It is scripts/bench.py (`make bench`) in small.
+comparison: time to first token, prefix-cache hit rate (prompt tokens cached
+at first admission, from the answers), KV spread. It is scripts/bench.py (`make bench`) in small.
 
 The tour (--tour): 4 scripted replicas on 127.0.0.1:8001-8004, Envoy with
 envoy-config/envoy.yaml (gateway 127.0.0.1:10000, admin 127.0.0.1:9901,
