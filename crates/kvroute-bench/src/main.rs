@@ -163,6 +163,16 @@ struct SimulateArgs {
     /// How requests are spread over the gateways.
     #[arg(long, value_enum, default_value = "request")]
     spread: SpreadArg,
+    /// kvroute sees the response's first byte when the engine admits the
+    /// request (as kvroute-sim's server sends its stream headers), not with
+    /// the first token: it then releases the prompt part of the charge at
+    /// once. Use it to compare with the real-time bench.
+    #[arg(long)]
+    headers_at_submit: bool,
+    /// Envoy worker threads per gateway (kvroute: shared data per gateway,
+    /// caches per worker; round robin: a position per worker).
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
     /// One collector for all gateways, or one per gateway.
     #[arg(long, value_enum, default_value = "shared")]
     collectors: CollectorsArg,
@@ -578,12 +588,16 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
     for name in &names {
         let mut router = routers::build(
             name,
-            a.engines,
-            a.gateways,
-            a.workload.seed,
-            &config,
-            a.collector_ms / 1000.0,
-            a.gateway_clock_scale,
+            &routers::Setup {
+                engines: a.engines,
+                gateways: a.gateways,
+                workers: a.workers,
+                seed: a.workload.seed,
+                kvroute_config: config.clone(),
+                collector_s: a.collector_ms / 1000.0,
+                gateway_clock_scale: a.gateway_clock_scale,
+                headers_at_submit: a.headers_at_submit,
+            },
         )?;
         let out = sim::run(&wl, router.as_mut(), &opts);
         let s = &out.summary;

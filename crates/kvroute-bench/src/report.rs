@@ -243,7 +243,10 @@ pub fn check_runs(r: &Report) -> Vec<String> {
         }
         let quantiles = run.ttft_quantiles_ms.len() as u64;
         if quantiles != run.completed.min(crate::summary::TTFT_QUANTILES as u64)
-            || run.ttft_quantiles_ms.windows(2).any(|w| w.first() > w.last())
+            || run
+                .ttft_quantiles_ms
+                .windows(2)
+                .any(|w| w.first() > w.last())
         {
             bad.push(format!(
                 "{name}: {quantiles} TTFT quantiles (not sorted, or not min(1000, completed)) for {} requests",

@@ -137,15 +137,7 @@ fn compare(
     let mut rows = Vec::new();
     for r in routers_ {
         let started = Instant::now();
-        let mut router = routers::build(
-            r,
-            o.engines,
-            o.gateways,
-            o.seed,
-            &serde_json::json!({}),
-            0.25,
-            1.0,
-        )?;
+        let mut router = routers::build(r, &routers::Setup::new(o.engines, o.gateways, o.seed))?;
         let out = sim::run(wl, router.as_mut(), o);
         let t = sim::timing(&out);
         let mut s = out.summary;

@@ -35,16 +35,8 @@ fn run(family: &str, router: &str, o: &Options, duration_s: f64) -> RunSummary {
         },
     )
     .unwrap();
-    let mut r = routers::build(
-        router,
-        o.engines,
-        o.gateways,
-        o.seed,
-        &serde_json::json!({}),
-        0.25,
-        1.0,
-    )
-    .unwrap();
+    let mut r =
+        routers::build(router, &routers::Setup::new(o.engines, o.gateways, o.seed)).unwrap();
     sim::run(&wl, r.as_mut(), o).summary
 }
 
@@ -145,8 +137,11 @@ fn kvroute_reads_the_fleet_snapshot_the_collector_pushes() {
     )
     .unwrap();
     let run = |collector_s: f64| {
-        let mut r =
-            routers::build("kvroute", 4, 2, 3, &serde_json::json!({}), collector_s, 1.0).unwrap();
+        let setup = routers::Setup {
+            collector_s,
+            ..routers::Setup::new(4, 2, 3)
+        };
+        let mut r = routers::build("kvroute", &setup).unwrap();
         sim::run(&wl, r.as_mut(), &o)
     };
     let count = |o: &sim::Outcome, name: &str| o.counters.get(name).copied().unwrap_or(0);

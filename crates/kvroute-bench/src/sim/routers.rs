@@ -140,24 +140,61 @@ pub fn canonical(name: &str) -> &str {
     name.trim_end_matches(" (modelled)")
 }
 
-/// Builds router `name` for `engines` replicas and `gateways` instances.
-/// `kvroute_config` is kvroute's plugin JSON without `hosts`.
-pub fn build(
-    name: &str,
-    engines: usize,
-    gateways: usize,
-    seed: u64,
-    kvroute_config: &serde_json::Value,
-    collector_s: f64,
-    gateway_clock_scale: f64,
-) -> Result<Box<dyn Router>, String> {
-    let k = gateways.max(1);
+/// How to build a router.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    pub engines: usize,
+    /// Gateway instances (each with its own state).
+    pub gateways: usize,
+    /// Envoy worker threads per gateway: kvroute's workers share the
+    /// gateway's shared data (load table, prefix index, snapshot) but each
+    /// keeps its own caches of them; round robin keeps a position per
+    /// worker. A request lands on a worker drawn at random (seeded).
+    pub workers: usize,
+    pub seed: u64,
+    /// kvroute's plugin JSON without `hosts`.
+    pub kvroute_config: serde_json::Value,
+    /// kvroute's collector interval, modelled seconds.
+    pub collector_s: f64,
+    /// kvroute's gateway clock runs this many times slower than modelled
+    /// time (1: production).
+    pub gateway_clock_scale: f64,
+    /// When the response's first byte reaches kvroute (it then releases the
+    /// prompt part of the charge): with the first token, or at once, as
+    /// kvroute-sim's engine server sends its stream's headers and role
+    /// chunk on admission, before any token.
+    pub headers_at_submit: bool,
+}
+
+impl Setup {
+    /// One worker per gateway, kvroute's defaults, a collector every 250 ms.
+    pub fn new(engines: usize, gateways: usize, seed: u64) -> Self {
+        Self {
+            engines,
+            gateways,
+            workers: 1,
+            seed,
+            kvroute_config: serde_json::json!({}),
+            collector_s: 0.25,
+            gateway_clock_scale: 1.0,
+            headers_at_submit: false,
+        }
+    }
+}
+
+/// Builds router `name`.
+pub fn build(name: &str, s: &Setup) -> Result<Box<dyn Router>, String> {
+    let (engines, seed) = (s.engines, s.seed);
+    let k = s.gateways.max(1);
+    let w = s.workers.max(1);
     Ok(match name {
         "round-robin" => Box::new(RoundRobin {
-            next: (0..k)
+            next: (0..k * w)
                 .map(|g| (xxh64(&g.to_le_bytes(), seed) % engines as u64) as usize)
                 .collect(),
             n: engines,
+            workers: w,
+            rng: Rng::new(seed ^ 0x7272),
         }),
         "least-request" => Box::new(LeastRequest {
             active: Active::new(k, engines),
@@ -172,13 +209,7 @@ pub fn build(
         "sglang-cache-aware" => Box::new(Sglang::new(engines, k)),
         "llm-d" => Box::new(Llmd::new(engines, k, seed)),
         "dynamo" => Box::new(Dynamo::new(engines, k, seed)),
-        "kvroute" => Box::new(Kvroute::new(
-            engines,
-            k,
-            kvroute_config,
-            collector_s,
-            gateway_clock_scale,
-        )?),
+        "kvroute" => Box::new(Kvroute::new(s)?),
         other => {
             return Err(format!(
                 "unknown router {other:?}; known: {}",
@@ -194,13 +225,19 @@ pub fn build(
 /// mean "clock unknown" to kvroute-core).
 const ORIGIN_MS: u64 = 1_700_000_000_000;
 
-/// One gateway instance: one Envoy worker with its own shared data.
-struct KvGateway {
-    store: MemorySharedData,
-    metrics: Tally,
+/// One Envoy worker: its caches of the gateway's shared data.
+#[derive(Default)]
+struct KvWorker {
     index: IndexCache,
     fleet: FleetCache,
     priors: PriorCache,
+}
+
+/// One gateway instance: its shared data and its workers.
+struct KvGateway {
+    store: MemorySharedData,
+    metrics: Tally,
+    workers: Vec<KvWorker>,
     next_stream: u32,
 }
 
@@ -217,16 +254,14 @@ pub struct Kvroute {
     overrides: String,
     /// The model of the requests (the prior is learned per model).
     model: String,
+    rng: Rng,
+    headers_at_submit: bool,
 }
 
 impl Kvroute {
-    fn new(
-        engines: usize,
-        gateways: usize,
-        config: &serde_json::Value,
-        collector_s: f64,
-        clock_scale: f64,
-    ) -> Result<Self, String> {
+    fn new(s: &Setup) -> Result<Self, String> {
+        let (engines, gateways, config) = (s.engines, s.gateways.max(1), &s.kvroute_config);
+        let (collector_s, clock_scale) = (s.collector_s, s.gateway_clock_scale);
         let addresses: Vec<String> = (0..engines).map(super::engine_address).collect();
         let mut json = match config {
             serde_json::Value::Object(m) => m.clone(),
@@ -243,9 +278,7 @@ impl Kvroute {
                 .map(|_| KvGateway {
                     store: MemorySharedData::default(),
                     metrics: Tally::default(),
-                    index: IndexCache::default(),
-                    fleet: FleetCache::default(),
-                    priors: PriorCache::default(),
+                    workers: (0..s.workers.max(1)).map(|_| KvWorker::default()).collect(),
                     next_stream: 0,
                 })
                 .collect(),
@@ -261,6 +294,8 @@ impl Kvroute {
             decision_ns: Vec::new(),
             overrides,
             model: String::new(),
+            rng: Rng::new(s.seed ^ 0x776b),
+            headers_at_submit: s.headers_at_submit,
         })
     }
 
@@ -282,8 +317,9 @@ impl Router for Kvroute {
 
     fn setup(&self) -> String {
         format!(
-            "kvroute-core's request path per gateway (plugin config {}; hosts = the fleet), \
+            "kvroute-core's request path per gateway, {} worker(s) each (plugin config {}; hosts = the fleet), \
              fleet snapshots from a modelled collector every {} ms",
+            self.gateways.first().map_or(1, |g| g.workers.len()),
             self.overrides,
             (self.collector_s * 1000.0).round()
         )
@@ -348,20 +384,24 @@ impl Router for Kvroute {
         };
         g.next_stream = g.next_stream.wrapping_add(1);
         let stream = g.next_stream;
+        let pick = self.rng.below(g.workers.len() as u64) as usize;
+        let Some(w) = g.workers.get_mut(pick) else {
+            return Err(format!("no worker {pick}"));
+        };
         let started = Instant::now();
         let mut facts = decide::analyze(cfg, Endpoint::ChatCompletions, req.session, req.body);
         if let Ok(f) = facts.as_mut() {
-            let prior = g
+            let prior = w
                 .priors
                 .get(&g.store, &cfg.shared_data_prefix, &f.model, now_ms);
             decide::apply_prior_value(f, prior);
         }
-        let (view, _) = g.fleet.refresh_at(cfg, &g.store, now_ms);
+        let (view, _) = w.fleet.refresh_at(cfg, &g.store, now_ms);
         let d = decide::route(
             cfg,
             &g.store,
             &g.metrics,
-            &mut g.index,
+            &mut w.index,
             facts.as_ref().map_err(|u| *u),
             view.as_deref().map(|view| FleetInput { view, now_ms }),
             u64::from(stream),
@@ -378,9 +418,14 @@ impl Router for Kvroute {
             .by_address
             .get(primary)
             .ok_or_else(|| format!("kvroute named {primary}, not a replica"))?;
+        let mut charge = d.charge;
+        if let (true, Some(c)) = (self.headers_at_submit, charge) {
+            self.release(gw, Charge { decode: 0, ..c });
+            charge = Some(Charge { prefill: 0, ..c });
+        }
         Ok(Ticket {
             engine,
-            charge: d.charge,
+            charge,
             stream,
             prompt_tokens: req.prompt_tokens as u64,
             blocks: Vec::new(),
@@ -484,8 +529,11 @@ fn ticket(engine: usize, req: &Request<'_>) -> Ticket {
 // ------------------------------------------------------------------ round robin
 
 struct RoundRobin {
+    /// A position per (gateway, worker).
     next: Vec<usize>,
     n: usize,
+    workers: usize,
+    rng: Rng,
 }
 
 impl Router for RoundRobin {
@@ -493,8 +541,10 @@ impl Router for RoundRobin {
         "round-robin (modelled)".to_owned()
     }
     fn setup(&self) -> String {
-        "Envoy ROUND_ROBIN, modelled: each gateway cycles over the replicas from a seeded start"
-            .to_owned()
+        format!(
+            "Envoy ROUND_ROBIN, modelled: each of a gateway's {} worker(s) cycles over the replicas from a seeded start",
+            self.workers
+        )
     }
     fn route(
         &mut self,
@@ -503,7 +553,11 @@ impl Router for RoundRobin {
         _: f64,
         _: &[&Scheduler],
     ) -> Result<Ticket, String> {
-        let slot = self.next.get_mut(gw).ok_or("no gateway")?;
+        let worker = self.rng.below(self.workers as u64) as usize;
+        let slot = self
+            .next
+            .get_mut(gw * self.workers + worker)
+            .ok_or("no gateway")?;
         let engine = *slot % self.n.max(1);
         *slot = slot.wrapping_add(1);
         Ok(ticket(engine, req))
