@@ -89,6 +89,9 @@ struct SuiteArgs {
     scale_routers: Vec<String>,
     #[arg(long, default_value_t = 120.0)]
     scale_duration: f64,
+    /// Reuse the runs whose report.json and timing.json are already under --out.
+    #[arg(long)]
+    resume: bool,
     #[arg(long, default_value_t = 1)]
     seed: u64,
 }
@@ -684,6 +687,7 @@ fn run_suite(a: &SuiteArgs) -> Result<ExitCode, String> {
         scale_duration_s: a.scale_duration,
         seed: a.seed,
         command,
+        resume: a.resume,
     };
     let rows = kvroute_bench::suite::run(&o)?;
     println!(

@@ -82,10 +82,32 @@ struct StreamOptions {
 #[derive(Serialize)]
 struct ChatRequest<'a> {
     model: &'a str,
-    messages: &'a [Message<'a>],
+    messages: Vec<Message<'a>>,
     max_tokens: u32,
     stream: bool,
     stream_options: StreamOptions,
+}
+
+/// The streamed chat request the client sends for `history` ((role,
+/// content) pairs), usage included: the real-time client and the fleet
+/// simulation send the same bytes.
+pub(crate) fn chat_body(
+    model: &str,
+    history: &[(&'static str, String)],
+    max_tokens: u32,
+) -> serde_json::Result<Vec<u8>> {
+    serde_json::to_vec(&ChatRequest {
+        model,
+        messages: history
+            .iter()
+            .map(|(role, content)| Message { role, content })
+            .collect(),
+        max_tokens,
+        stream: true,
+        stream_options: StreamOptions {
+            include_usage: true,
+        },
+    })
 }
 
 /// What a session thread needs.
@@ -255,21 +277,8 @@ fn run_session(s: &Shared, index: usize, session: &Session, tx: &mpsc::Sender<Re
             ));
         }
         history.push(("user", turn.user.render(seed)));
-        let messages: Vec<Message<'_>> = history
-            .iter()
-            .map(|(role, content)| Message { role, content })
-            .collect();
-        let body = serde_json::to_vec(&ChatRequest {
-            model: &s.opts.model,
-            messages: &messages,
-            max_tokens: turn.max_tokens,
-            stream: true,
-            stream_options: StreamOptions {
-                include_usage: true,
-            },
-        });
+        let body = chat_body(&s.opts.model, &history, turn.max_tokens);
         let prompt = chat_prompt(&history);
-        drop(messages);
         let body = match body {
             Ok(b) => b,
             Err(e) => {

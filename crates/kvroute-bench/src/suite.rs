@@ -38,6 +38,8 @@ pub struct SuiteOptions {
     pub seed: u64,
     /// The line that reproduces the run, for the docs.
     pub command: String,
+    /// Reuse a run whose report.json (and timing.json) is already in `out`.
+    pub resume: bool,
 }
 
 /// One run's row in the suite's tables.
@@ -132,18 +134,42 @@ fn compare(
     o: &Options,
     dir: &Path,
     keep_samples: bool,
+    resume: bool,
 ) -> Result<Vec<Row>, String> {
     let mut runs = Vec::new();
     let mut rows = Vec::new();
+    if resume {
+        if let Ok(report) = std::fs::read(dir.join("report.json")) {
+            let report: Report = serde_json::from_slice(&report).map_err(|e| e.to_string())?;
+            // Without timing.json (an older run) the wall and CPU columns
+            // read 0.
+            let timing: Vec<Timing> = std::fs::read(dir.join("timing.json"))
+                .ok()
+                .and_then(|t| serde_json::from_slice(&t).ok())
+                .unwrap_or_default();
+            eprintln!("  {name}: reusing {}", dir.display());
+            return Ok(report
+                .runs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    Row::new(
+                        name,
+                        o.engines,
+                        s,
+                        &timing.get(i).cloned().unwrap_or_default(),
+                    )
+                })
+                .collect());
+        }
+    }
+    let mut timings = Vec::new();
     for r in routers_ {
         let started = Instant::now();
         let mut router = routers::build(r, &routers::Setup::new(o.engines, o.gateways, o.seed))?;
         let out = sim::run(wl, router.as_mut(), o);
         let t = sim::timing(&out);
-        let mut s = out.summary;
-        if !keep_samples {
-            s.samples.clear();
-        }
+        let s = out.summary;
         eprintln!(
             "  {name} N={} K={} {:<28} TTFT p95 {:>7.0} ms ({:>5.1}x floor), hit {:>5.1} % (LRU {:>5.1} %), {} requests, {:.1} s",
             o.engines,
@@ -158,8 +184,9 @@ fn compare(
         );
         rows.push(Row::new(name, o.engines, &s, &t));
         runs.push(s);
+        timings.push(t);
     }
-    let r = Report {
+    let mut r = Report {
         setup: vec![format!(
             "Fleet simulation: {name}, {} replicas, {} gateway(s) per router, requests spread per request.",
             o.engines, o.gateways
@@ -170,7 +197,16 @@ fn compare(
     if !bad.is_empty() {
         return Err(format!("{name}: checks failed: {}", bad.join("; ")));
     }
+    if !keep_samples {
+        // Large fleets: the timeline stays out of report.json (its KV
+        // spread is in the summary).
+        for run in &mut r.runs {
+            run.samples.clear();
+        }
+    }
     report::write(&r, dir)?;
+    let json = serde_json::to_vec_pretty(&timings).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join("timing.json"), json).map_err(|e| format!("timing.json: {e}"))?;
     Ok(rows)
 }
 
@@ -214,6 +250,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
                 &options(o.replicas, k, o.seed),
                 &dir,
                 true,
+                o.resume,
             )?);
         }
     }
@@ -242,6 +279,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
             &options(n, 1, o.seed),
             &dir,
             n <= 64,
+            o.resume,
         )?);
     }
     let json = serde_json::to_vec_pretty(&rows).map_err(|e| e.to_string())?;

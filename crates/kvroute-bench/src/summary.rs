@@ -29,27 +29,21 @@ fn histogram() -> Option<Histogram<u64>> {
     Histogram::new_with_bounds(1, 3_600_000_000, 3).ok()
 }
 
+/// Records a latency in ms (negative, NaN and infinite values are skipped).
+fn record(h: &mut Histogram<u64>, v: f64) {
+    if v.is_finite() && v >= 0.0 {
+        let _ = h.record(((v * 1000.0) as u64).clamp(1, 3_600_000_000));
+    }
+}
+
 fn percentiles(values: impl IntoIterator<Item = f64>) -> Percentiles {
     let Some(mut h) = histogram() else {
         return Percentiles::default();
     };
     for v in values {
-        if v.is_finite() && v >= 0.0 {
-            let _ = h.record(((v * 1000.0) as u64).clamp(1, 3_600_000_000));
-        }
+        record(&mut h, v);
     }
-    if h.is_empty() {
-        return Percentiles::default();
-    }
-    let ms = |us: u64| us as f64 / 1000.0;
-    Percentiles {
-        count: h.len(),
-        mean: h.mean() / 1000.0,
-        p50: ms(h.value_at_quantile(0.50)),
-        p95: ms(h.value_at_quantile(0.95)),
-        p99: ms(h.value_at_quantile(0.99)),
-        max: ms(h.max()),
-    }
+    of_histogram(&h)
 }
 
 /// How many TTFT quantiles a summary keeps for the CDF plot.
@@ -239,9 +233,7 @@ impl Tally {
         self.prefill_ms.extend(d.prefill_ms);
         if let Some(h) = self.itl.as_mut() {
             for &v in itl_ms {
-                if v.is_finite() && v >= 0.0 {
-                    let _ = h.record(((v * 1000.0) as u64).clamp(1, 3_600_000_000));
-                }
+                record(h, v);
             }
         }
         self.output_tokens += d.completion_tokens;

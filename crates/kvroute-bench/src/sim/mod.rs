@@ -342,7 +342,12 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                     }),
                 };
                 let max_tokens = (turn.max_tokens as usize).max(1);
-                let body = chat_body(&opts.model, &state.history, max_tokens);
+                let body = crate::replay::chat_body(
+                    &opts.model,
+                    &state.history,
+                    u32::try_from(max_tokens).unwrap_or(u32::MAX),
+                )
+                .unwrap_or_default();
                 let prompt = chat_prompt(&state.history);
                 let key = s.key.as_deref().filter(|_| opts.session_header);
                 let prompt_tokens = prompt.len().div_ceil(BYTES_PER_TOKEN);
@@ -603,46 +608,9 @@ fn engine_reading(r: &Reading) -> EngineReading {
     }
 }
 
-#[derive(Serialize)]
-struct Message<'a> {
-    role: &'a str,
-    content: &'a str,
-}
-
-#[derive(Serialize)]
-struct StreamOptions {
-    include_usage: bool,
-}
-
-#[derive(Serialize)]
-struct ChatRequest<'a> {
-    model: &'a str,
-    messages: Vec<Message<'a>>,
-    max_tokens: usize,
-    stream: bool,
-    stream_options: StreamOptions,
-}
-
-/// The JSON body the real-time client sends for this history.
-fn chat_body(model: &str, history: &[(&'static str, String)], max_tokens: usize) -> Vec<u8> {
-    serde_json::to_vec(&ChatRequest {
-        model,
-        messages: history
-            .iter()
-            .map(|(role, content)| Message { role, content })
-            .collect(),
-        max_tokens,
-        stream: true,
-        stream_options: StreamOptions {
-            include_usage: true,
-        },
-    })
-    .unwrap_or_default()
-}
-
 /// What a run cost to simulate, and kvroute's decision CPU (native, wall
 /// clock around its request path inside the simulation).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 pub struct Timing {
     pub router: String,
     pub requests: u64,
