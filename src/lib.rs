@@ -6,8 +6,8 @@
 //! kvroute-core, set the destination header (`primary,fallback,...`,
 //! replacing every copy a client sent) and continue. Envoy's `override_host` load
 //! balancing policy routes to the first address and walks the rest on
-//! retries. The charge is released in two steps: the prompt part at the
-//! first response byte, the rest when the stream ends.
+//! retries. The charge is released in two steps: the prefill pending at the
+//! first response byte, the memory held when the stream ends.
 //!
 //! The request path keeps its host calls few: counters are batched in the
 //! worker and handed to Envoy on its 100 ms tick, and prefix-index reads are
@@ -111,9 +111,9 @@ impl Shared {
         for (c, n) in self.tally.drain() {
             self.metrics.count(c, n);
         }
-        let (prefill, decode) = load::read(&HostSharedData, &self.config.load_key).totals();
+        let (prefill, memory) = load::read(&HostSharedData, &self.config.load_key).totals();
         self.metrics.gauge(Gauge::InflightPrefillTokens, prefill);
-        self.metrics.gauge(Gauge::InflightDecodeTokens, decode);
+        self.metrics.gauge(Gauge::InflightMemoryTokens, memory);
     }
 }
 
@@ -356,7 +356,7 @@ impl Stream {
         let (now, later) = if prefill_only {
             (
                 Charge {
-                    decode: 0,
+                    memory: 0,
                     ..charge
                 },
                 Some(Charge {

@@ -48,7 +48,7 @@ BAD_PLUGIN_CONFIGS = [
     ("ingest-unknown-field", {"role": "ingest", "ingest": {"token": "0123456789abcdef", "tokens": []}},
      ["tokens"], True),
     ("fleet-kv-pressure-over-1", _with(fleet={"kvPressure": 1.5}), ["fleet.kvPressure"], True),
-    ("fleet-weight-negative", _with(fleet={"weights": {"kv": -1}}), ["fleet.weights.kv"], True),
+    ("fleet-recompute-weight-negative", _with(fleet={"recomputeWeight": -1}), ["fleet.recomputeWeight"], True),
     ("fleet-stale-after-zero", _with(fleet={"staleAfterMs": 0}), ["fleet.staleAfterMs"], True),
     ("fleet-queue-pressure-zero", _with(fleet={"queuePressure": 0}), ["fleet.queuePressure"], True),
     ("fleet-unknown-field", _with(fleet={"staleAfter": 500}), ["staleAfter"], True),

@@ -1153,7 +1153,7 @@ def test_no_inflight_load_leaked(request):
         deadline = time.monotonic() + 5
         while True:
             m = env.stack.envoy.kvroute_metrics()
-            left = m.get("kvroute_inflight_prefill_tokens", 0), m.get("kvroute_inflight_decode_tokens", 0)
+            left = m.get("kvroute_inflight_prefill_tokens", 0), m.get("kvroute_inflight_memory_tokens", 0)
             if left == (0, 0):
                 break
             assert time.monotonic() < deadline, f"[{env.name}] in-flight load left after the suite: {left}"

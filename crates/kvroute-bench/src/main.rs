@@ -94,6 +94,12 @@ struct SuiteArgs {
     resume: bool,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Only these workloads ("mooncake" and family names; default: all).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// kvroute's plugin JSON without `hosts`, e.g. '{"fleet":{"memoryKnee":0.7}}'.
+    #[arg(long, default_value = "{}")]
+    kvroute_config: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -688,6 +694,9 @@ fn run_suite(a: &SuiteArgs) -> Result<ExitCode, String> {
         seed: a.seed,
         command,
         resume: a.resume,
+        only: a.only.clone(),
+        kvroute_config: serde_json::from_str(&a.kvroute_config)
+            .map_err(|e| format!("--kvroute-config: not JSON: {e}"))?,
     };
     let rows = kvroute_bench::suite::run(&o)?;
     println!(

@@ -96,7 +96,7 @@ pub fn markdown(r: &Report) -> String {
         let _ = writeln!(
             s,
             "\nHit rate: prompt tokens cached at each request's first admission (the answers' `cached_tokens`) / prompt tokens. \
-             The no-queue TTFT floor (each request alone on an idle engine holding the LRU ceiling's cached prefix): \
+             The no-queue TTFT floor (each request alone on an idle engine holding every prefix sent before it): \
              p50 {:.0} ms, p95 {:.0} ms, p99 {:.0} ms.",
             f.p50, f.p95, f.p99
         );

@@ -40,6 +40,10 @@ pub struct SuiteOptions {
     pub command: String,
     /// Reuse a run whose report.json (and timing.json) is already in `out`.
     pub resume: bool,
+    /// Workloads to run, by name ("mooncake" and the families; empty: all).
+    pub only: Vec<String>,
+    /// kvroute's plugin JSON without `hosts` (`{}`: its defaults).
+    pub kvroute_config: serde_json::Value,
 }
 
 /// One run's row in the suite's tables.
@@ -127,6 +131,7 @@ fn trace_workload(path: &Path, replicas: usize) -> Result<Workload, String> {
 }
 
 /// Runs `routers` on `wl`; writes the report under `dir`; returns the rows.
+#[allow(clippy::too_many_arguments)]
 fn compare(
     name: &str,
     wl: &Workload,
@@ -135,6 +140,7 @@ fn compare(
     dir: &Path,
     keep_samples: bool,
     resume: bool,
+    kvroute_config: &serde_json::Value,
 ) -> Result<Vec<Row>, String> {
     let mut runs = Vec::new();
     let mut rows = Vec::new();
@@ -166,7 +172,11 @@ fn compare(
     let mut timings = Vec::new();
     for r in routers_ {
         let started = Instant::now();
-        let mut router = routers::build(r, &routers::Setup::new(o.engines, o.gateways, o.seed))?;
+        let setup = routers::Setup {
+            kvroute_config: kvroute_config.clone(),
+            ..routers::Setup::new(o.engines, o.gateways, o.seed)
+        };
+        let mut router = routers::build(r, &setup)?;
         let out = sim::run(wl, router.as_mut(), o);
         let t = sim::timing(&out);
         let s = out.summary;
@@ -216,10 +226,21 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
     std::fs::create_dir_all(&o.out).map_err(|e| format!("{}: {e}", o.out.display()))?;
     let mut rows = Vec::new();
     let mut workloads: Vec<(String, Workload)> = Vec::new();
-    if let Some(t) = &o.trace {
+    if let Some(bad) = o
+        .only
+        .iter()
+        .find(|w| *w != "mooncake" && !families::FAMILIES.contains(&w.as_str()))
+    {
+        return Err(format!(
+            "--only: no workload {bad:?} (mooncake, {})",
+            families::FAMILIES.join(", ")
+        ));
+    }
+    let wanted = |name: &str| o.only.is_empty() || o.only.iter().any(|w| w == name);
+    if let Some(t) = o.trace.as_ref().filter(|_| wanted("mooncake")) {
         workloads.push(("mooncake".to_owned(), trace_workload(t, o.replicas)?));
     }
-    for f in families::FAMILIES {
+    for f in families::FAMILIES.iter().filter(|f| wanted(f)) {
         let wl = families::generate(
             f,
             &FamilyOptions {
@@ -251,6 +272,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
                 &dir,
                 true,
                 o.resume,
+                &o.kvroute_config,
             )?);
         }
     }
@@ -280,6 +302,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
             &dir,
             n <= 64,
             o.resume,
+            &o.kvroute_config,
         )?);
     }
     let json = serde_json::to_vec_pretty(&rows).map_err(|e| e.to_string())?;
@@ -444,7 +467,7 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
         "- hit rate: prompt tokens cached at each request's first admission / prompt tokens; \
          *of LRU* divides it by the pooled fleet-LRU ceiling;\n\
          - p95/floor: TTFT p95 over the no-queue floor's p95 (each request alone on an idle engine holding \
-         the LRU ceiling's cached prefix): 1.0 is unbeatable;\n\
+         every prefix sent before it): 1.0 is unbeatable;\n\
          - requests are spread over the K gateway instances at random per request; one collector pushes \
          every 250 ms to every gateway.\n"
     );

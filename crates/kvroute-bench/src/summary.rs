@@ -76,8 +76,8 @@ pub struct RunSummary {
     pub queue_ms: Percentiles,
     pub prefill_ms: Percentiles,
     /// The no-queue TTFT floor of the same requests: each alone on an idle
-    /// engine holding the fleet-LRU ceiling's cached prefix
-    /// ([`kvroute_sim::engine::EngineConfig::idle_ttft_s`]).
+    /// engine holding every prefix sent before it (the unbounded ceiling's
+    /// cache; [`kvroute_sim::engine::EngineConfig::idle_ttft_s`]).
     pub ttft_floor_ms: Percentiles,
     /// `ttft_ms.p95 / ttft_floor_ms.p95` and the same at p99.
     pub ttft_p95_over_floor: f64,

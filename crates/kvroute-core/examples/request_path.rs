@@ -133,7 +133,7 @@ fn main() {
         black_box(decide::destination(&d));
         black_box(decide::explain(&d));
         if let Some(c) = d.charge {
-            decide::release(&cfg, &store, &tally, Charge { decode: 0, ..c });
+            decide::release(&cfg, &store, &tally, Charge { memory: 0, ..c });
             decide::release(&cfg, &store, &tally, Charge { prefill: 0, ..c });
             routed += 1;
         }

@@ -67,18 +67,26 @@ pub enum Role {
 pub struct RawFleet {
     #[serde(default = "defaults::stale_after_ms")]
     pub stale_after_ms: u64,
-    #[serde(default)]
-    pub weights: RawWeights,
     #[serde(default = "defaults::kv_pressure")]
     pub kv_pressure: f64,
     #[serde(default = "defaults::queue_pressure")]
     pub queue_pressure: u32,
     #[serde(default = "defaults::waiting_request_tokens")]
     pub waiting_request_tokens: u64,
-    #[serde(default = "defaults::queue_norm_tokens")]
-    pub queue_norm_tokens: u64,
-    #[serde(default = "defaults::score_quantum")]
-    pub score_quantum: f64,
+    #[serde(default = "defaults::prefill_tokens_per_s")]
+    pub prefill_tokens_per_s: u64,
+    #[serde(default = "defaults::home_cached_share")]
+    pub home_cached_share: f64,
+    #[serde(default = "defaults::recompute_weight")]
+    pub recompute_weight: f64,
+    #[serde(default = "defaults::memory_knee")]
+    pub memory_knee: f64,
+    #[serde(default = "defaults::memory_seconds")]
+    pub memory_seconds: f64,
+    #[serde(default = "defaults::memory_floor")]
+    pub memory_floor: f64,
+    #[serde(default = "defaults::cost_quantum_ms")]
+    pub cost_quantum_ms: f64,
     #[serde(default = "defaults::prefix_index_slots")]
     pub prefix_index_slots: u32,
     #[serde(default = "defaults::prefix_ttl_ms")]
@@ -89,35 +97,18 @@ impl Default for RawFleet {
     fn default() -> Self {
         RawFleet {
             stale_after_ms: defaults::stale_after_ms(),
-            weights: RawWeights::default(),
             kv_pressure: defaults::kv_pressure(),
             queue_pressure: defaults::queue_pressure(),
             waiting_request_tokens: defaults::waiting_request_tokens(),
-            queue_norm_tokens: defaults::queue_norm_tokens(),
-            score_quantum: defaults::score_quantum(),
+            prefill_tokens_per_s: defaults::prefill_tokens_per_s(),
+            home_cached_share: defaults::home_cached_share(),
+            recompute_weight: defaults::recompute_weight(),
+            memory_knee: defaults::memory_knee(),
+            memory_seconds: defaults::memory_seconds(),
+            memory_floor: defaults::memory_floor(),
+            cost_quantum_ms: defaults::cost_quantum_ms(),
             prefix_index_slots: defaults::prefix_index_slots(),
             prefix_ttl_ms: defaults::prefix_ttl_ms(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct RawWeights {
-    #[serde(default = "defaults::w_prefix")]
-    pub prefix: f64,
-    #[serde(default = "defaults::w_kv")]
-    pub kv: f64,
-    #[serde(default = "defaults::w_queue")]
-    pub queue: f64,
-}
-
-impl Default for RawWeights {
-    fn default() -> Self {
-        RawWeights {
-            prefix: defaults::w_prefix(),
-            kv: defaults::w_kv(),
-            queue: defaults::w_queue(),
         }
     }
 }
@@ -231,28 +222,14 @@ pub mod defaults {
     pub fn stale_after_ms() -> u64 {
         2000
     }
-    /// Locality's weight: a full prefix hit (3) outweighs a full queue term
-    /// (2), so conversations stay until their replica is pressured.
-    pub fn w_prefix() -> f64 {
-        3.0
-    }
-    /// 0: a stale KV figure in the order herds new conversations onto the
-    /// replica that looked emptiest (see `score.rs` and the score_sweep
-    /// measurements); KV acts through `kvPressure` instead.
-    pub fn w_kv() -> f64 {
-        0.0
-    }
-    /// The queue term is half engine-reported, half the gateway's own
-    /// accounting (which moves with every dispatch): it does not herd.
-    pub fn w_queue() -> f64 {
-        2.0
-    }
-    /// vLLM starts preempting near full KV: past 90 % a replica's
-    /// conversations lose their locality bonus and may move.
+    /// A replica at or past this KV utilisation (by the snapshot) has no
+    /// headroom: it cannot be a key's home replica. vLLM starts preempting
+    /// near full KV.
     pub fn kv_pressure() -> f64 {
         0.9
     }
-    /// Waiting requests at which a replica counts as pressured.
+    /// Waiting requests at which a replica has no headroom (by the
+    /// snapshot): it cannot be a key's home replica.
     pub fn queue_pressure() -> u32 {
         32
     }
@@ -260,14 +237,47 @@ pub mod defaults {
     pub fn waiting_request_tokens() -> u64 {
         1024
     }
-    /// Queued tokens that count as a full queue term (1.0).
-    pub fn queue_norm_tokens() -> u64 {
-        32 * 1024
+    /// A replica's prefill rate when the snapshot does not give one: about
+    /// 30k tokens/s, Llama-3.1-8B on one H100 (8192 tokens per step at
+    /// 2 x 8.03e9 FLOP per token and half the BF16 peak, plus a 6 ms
+    /// weight read; kvroute-sim's roofline, crates/kvroute-sim/src/engine/config.rs).
+    pub fn prefill_tokens_per_s() -> u64 {
+        30_000
     }
-    /// Scores within this of each other tie, and the rendezvous rank
-    /// decides: keeps the pick stable against metric noise.
-    pub fn score_quantum() -> f64 {
-        0.05
+    /// The share of a request's prompt assumed cached on its home replica
+    /// when this gateway's prefix index knows less: every gateway sends the
+    /// key home, so its earlier turns are most likely there. Below 1, so
+    /// that the index's evidence of a nearly whole prefix elsewhere wins
+    /// (a conversation whose home moved, a tenant's shared system prompt).
+    pub fn home_cached_share() -> f64 {
+        0.95
+    }
+    /// The weight of a request's uncached tokens beyond its own wait: the
+    /// prefill it adds delays the requests behind it, and a prefix
+    /// computed again on a second replica holds KV memory twice.
+    pub fn recompute_weight() -> f64 {
+        3.0
+    }
+    /// Predicted KV use (as a share of capacity) past which the memory term
+    /// of the cost starts to rise.
+    pub fn memory_knee() -> f64 {
+        0.8
+    }
+    /// The memory term at full predicted KV: it grows with the square of
+    /// the overshoot past the knee, so a replica predicted past its capacity
+    /// (a preemption, or a wait for memory) costs several seconds.
+    pub fn memory_seconds() -> f64 {
+        1.0
+    }
+    /// A replica whose predicted KV use stays under this share of its
+    /// capacity always admits (bounded load's floor where capacity is known).
+    pub fn memory_floor() -> f64 {
+        0.9
+    }
+    /// Predicted costs within this many milliseconds tie, and the
+    /// rendezvous rank decides: keeps the pick stable against metric noise.
+    pub fn cost_quantum_ms() -> f64 {
+        2.0
     }
     /// Slots of the gateway's prefix index (one shared-data key each, about
     /// 100 bytes with Envoy's overhead).
@@ -340,14 +350,17 @@ pub struct Config {
 #[derive(Debug, Clone, PartialEq)]
 pub struct FleetConfig {
     pub stale_after_ms: u64,
-    pub w_prefix: f64,
-    pub w_kv: f64,
-    pub w_queue: f64,
     pub kv_pressure: f64,
     pub queue_pressure: u32,
     pub waiting_request_tokens: u64,
-    pub queue_norm_tokens: u64,
-    pub score_quantum: f64,
+    pub prefill_tokens_per_s: f64,
+    pub home_cached_share: f64,
+    pub recompute_weight: f64,
+    pub memory_knee: f64,
+    pub memory_seconds: f64,
+    pub memory_floor: f64,
+    /// In seconds.
+    pub cost_quantum_s: f64,
     pub prefix_index_slots: u64,
     pub prefix_ttl_ms: u64,
     /// Shared-data key of the snapshot JSON.
@@ -531,19 +544,49 @@ impl RawConfig {
             ));
         }
         let f = &self.fleet;
-        let weights = [
-            ("prefix", f.weights.prefix),
-            ("kv", f.weights.kv),
-            ("queue", f.weights.queue),
+        let shares = [
+            ("fleet.homeCachedShare", f.home_cached_share),
+            ("fleet.memoryFloor", f.memory_floor),
         ];
-        for (name, w) in weights {
-            if !(w.is_finite() && (0.0..=100.0).contains(&w)) {
-                return Err(err(
-                    &format!("fleet.weights.{name}"),
-                    w,
-                    "must be between 0 and 100",
-                ));
+        for (name, v) in shares {
+            if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
+                return Err(err(name, v, "must be between 0 and 1"));
             }
+        }
+        if !(f.memory_knee.is_finite() && (0.0..1.0).contains(&f.memory_knee)) {
+            return Err(err(
+                "fleet.memoryKnee",
+                f.memory_knee,
+                "must be at least 0 and below 1",
+            ));
+        }
+        if !(f.recompute_weight.is_finite() && (0.0..=100.0).contains(&f.recompute_weight)) {
+            return Err(err(
+                "fleet.recomputeWeight",
+                f.recompute_weight,
+                "must be between 0 and 100",
+            ));
+        }
+        if !(f.memory_seconds.is_finite() && (0.0..=3600.0).contains(&f.memory_seconds)) {
+            return Err(err(
+                "fleet.memorySeconds",
+                f.memory_seconds,
+                "must be between 0 and 3600",
+            ));
+        }
+        if !(f.cost_quantum_ms.is_finite() && (0.0..=10_000.0).contains(&f.cost_quantum_ms)) {
+            return Err(err(
+                "fleet.costQuantumMs",
+                f.cost_quantum_ms,
+                "must be between 0 and 10000",
+            ));
+        }
+        if !(1..=1_000_000_000).contains(&f.prefill_tokens_per_s) {
+            return Err(err(
+                "fleet.prefillTokensPerS",
+                f.prefill_tokens_per_s,
+                "must be between 1 and 1000000000",
+            ));
         }
         if !(1..=3_600_000).contains(&f.stale_after_ms) {
             return Err(err(
@@ -564,20 +607,6 @@ impl RawConfig {
                 "fleet.queuePressure",
                 f.queue_pressure,
                 "must be at least 1",
-            ));
-        }
-        if f.queue_norm_tokens == 0 {
-            return Err(err(
-                "fleet.queueNormTokens",
-                f.queue_norm_tokens,
-                "must be at least 1",
-            ));
-        }
-        if !(f.score_quantum.is_finite() && (0.0..=10.0).contains(&f.score_quantum)) {
-            return Err(err(
-                "fleet.scoreQuantum",
-                f.score_quantum,
-                "must be between 0 and 10",
             ));
         }
         if !(1..=1 << 20).contains(&f.prefix_index_slots) {
@@ -622,14 +651,16 @@ impl RawConfig {
         };
         let fleet = FleetConfig {
             stale_after_ms: f.stale_after_ms,
-            w_prefix: f.weights.prefix,
-            w_kv: f.weights.kv,
-            w_queue: f.weights.queue,
             kv_pressure: f.kv_pressure,
             queue_pressure: f.queue_pressure,
             waiting_request_tokens: f.waiting_request_tokens,
-            queue_norm_tokens: f.queue_norm_tokens,
-            score_quantum: f.score_quantum,
+            prefill_tokens_per_s: f.prefill_tokens_per_s as f64,
+            home_cached_share: f.home_cached_share,
+            recompute_weight: f.recompute_weight,
+            memory_knee: f.memory_knee,
+            memory_seconds: f.memory_seconds,
+            memory_floor: f.memory_floor,
+            cost_quantum_s: f.cost_quantum_ms / 1000.0,
             prefix_index_slots: u64::from(f.prefix_index_slots),
             prefix_ttl_ms: f.prefix_ttl_ms,
             snapshot_key: format!("{prefix}.fleet.v1"),
@@ -641,7 +672,7 @@ impl RawConfig {
             fleet,
             ingest,
             hosts: HostSet::new(self.hosts),
-            load_key: format!("{prefix}.load.v1"),
+            load_key: format!("{prefix}.load.v2"),
             shared_data_prefix: prefix.clone(),
             destination_header: self.destination_header,
             session_headers: self.session_headers,
@@ -678,11 +709,12 @@ mod tests {
         assert_eq!(c.affinity_blocks, 16);
         assert_eq!(c.bytes_per_token, 4);
         assert_eq!(c.max_body_bytes, 1 << 20);
-        assert_eq!(c.load_key, "kvroute.load.v1");
+        assert_eq!(c.load_key, "kvroute.load.v2");
         assert!(!c.explain_header);
         assert_eq!(c.role, Role::Router);
         assert_eq!(c.fleet.stale_after_ms, 2000);
-        assert_eq!(c.fleet.w_prefix, 3.0);
+        assert_eq!(c.fleet.home_cached_share, 0.95);
+        assert_eq!(c.fleet.cost_quantum_s, 0.002);
         assert_eq!(c.fleet.snapshot_key, "kvroute.fleet.v1");
         assert!(c.ingest.is_none());
     }
@@ -756,9 +788,19 @@ mod tests {
                 "at most 1",
             ),
             (
-                r#"{"hosts":["127.0.0.1:1"],"fleet":{"weights":{"kv":-1}}}"#,
-                "fleet.weights.kv",
-                "between 0 and 100",
+                r#"{"hosts":["127.0.0.1:1"],"fleet":{"memoryKnee":1}}"#,
+                "fleet.memoryKnee",
+                "below 1",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"fleet":{"homeCachedShare":-0.1}}"#,
+                "fleet.homeCachedShare",
+                "between 0 and 1",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"fleet":{"prefillTokensPerS":0}}"#,
+                "fleet.prefillTokensPerS",
+                "between 1",
             ),
             (
                 r#"{"hosts":["127.0.0.1:1"],"maxBodyBytes":0}"#,

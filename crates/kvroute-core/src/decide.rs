@@ -26,9 +26,15 @@
 //! Input tokens are the canonical text bytes divided by `bytesPerToken`
 //! (rounded up) plus any token ids given directly; output tokens are
 //! `max_tokens` (or `max_completion_tokens` / `max_output_tokens`), capped at
-//! `outputTokensCap`, or the cap itself when the client gives no limit. The
-//! prompt part is released at the first response byte, the output part at
-//! the end of the stream.
+//! `outputTokensCap`, or the cap itself when the client gives no limit.
+//!
+//! A decision charges its primary twice ([`crate::load`]): the prefill it
+//! expects there (the prompt less what the prefix index says is cached),
+//! released at the first response byte, and the KV memory it will hold
+//! ([`Facts::memory`]: the prompt and half the expected output), released
+//! at the end of the stream. With a fleet snapshot the replica is chosen by
+//! predicted cost ([`crate::score`]); without one, by bounded load on
+//! memory over the configured hosts' preference order.
 
 use xxhash_rust::xxh64::xxh64;
 
@@ -141,6 +147,16 @@ pub struct Facts {
 impl Facts {
     pub fn cost(&self) -> u64 {
         self.input_tokens.saturating_add(self.output_tokens)
+    }
+
+    /// The KV memory the request is expected to hold, in tokens: its prompt
+    /// and half its expected output (the output grows from none to all
+    /// over the request's life). With the whole output, the gateway's
+    /// figure ran at about 1.35x the engines' KV in use on the chat family
+    /// (16 replicas, one gateway), and the memory term moved conversations
+    /// off replicas that had room.
+    pub fn memory(&self) -> u64 {
+        self.input_tokens.saturating_add(self.output_tokens / 2)
     }
 }
 
@@ -295,43 +311,61 @@ pub struct Decision {
     pub charge: Option<Charge>,
 }
 
-/// Picks for parsed facts against the given loads (no accounting).
+/// Picks for parsed facts against the given loads (memory held per
+/// configured host, no accounting): the foundation pick, with no fleet
+/// snapshot.
 pub fn pick_for(cfg: &Config, facts: &Facts, loads: &[u64]) -> Decision {
-    let bounds = Bounds {
+    let key = facts.affinity.key();
+    let pick = picker::pick(&cfg.hosts, key, loads, facts.cost(), bounds(cfg));
+    decision(&cfg.hosts, facts, pick, true, |_| facts.input_tokens)
+}
+
+fn bounds(cfg: &Config) -> Bounds {
+    Bounds {
         epsilon: cfg.epsilon,
         floor: cfg.load_floor_tokens,
         fallbacks: cfg.fallbacks,
-    };
-    let key = facts.affinity.key();
-    match picker::pick(&cfg.hosts, key, loads, facts.cost(), bounds) {
-        None => Decision {
+    }
+}
+
+/// The decision for a pick over `hosts` (the routing universe it indexes),
+/// with the charge for its primary: `prefill(primary)` tokens pending until
+/// the first byte, prompt and output held until the end.
+fn decision(
+    hosts: &HostSet,
+    facts: &Facts,
+    pick: Option<Pick>,
+    degraded: bool,
+    prefill: impl Fn(usize) -> u64,
+) -> Decision {
+    let key = Some(facts.affinity.key());
+    let Some(p) = pick else {
+        return Decision {
             reason: Reason::NoHosts,
             pick: None,
             targets: Vec::new(),
-            degraded: true,
-            key: Some(key),
+            degraded,
+            key,
             charge: None,
-        },
-        Some(p) => {
-            let reason = match (p.spilled, facts.affinity) {
-                (true, _) => Reason::Spill,
-                (false, Affinity::Session(_)) => Reason::Session,
-                (false, Affinity::Prefix(_)) => Reason::Prefix,
-            };
-            let charge = cfg.hosts.get(p.primary).map(|h| Charge {
-                host: h.id,
-                prefill: facts.input_tokens,
-                decode: facts.output_tokens,
-            });
-            Decision {
-                reason,
-                targets: targets(&cfg.hosts, &p),
-                pick: Some(p),
-                degraded: true,
-                key: Some(key),
-                charge,
-            }
-        }
+        };
+    };
+    let reason = match (p.spilled, facts.affinity) {
+        (true, _) => Reason::Spill,
+        (false, Affinity::Session(_)) => Reason::Session,
+        (false, Affinity::Prefix(_)) => Reason::Prefix,
+    };
+    let charge = hosts.get(p.primary).map(|h| Charge {
+        host: h.id,
+        prefill: prefill(p.primary),
+        memory: facts.memory(),
+    });
+    Decision {
+        reason,
+        targets: targets(hosts, &p),
+        pick: Some(p),
+        degraded,
+        key,
+        charge,
     }
 }
 
@@ -342,8 +376,23 @@ fn targets(hosts: &HostSet, p: &Pick) -> Vec<String> {
         .collect()
 }
 
-/// Scores the snapshot's replicas for parsed facts and picks among them.
-/// `hits` is the prefix index's answer, `table` the gateway's load.
+/// What one replica looks like to a decision.
+struct Replica {
+    index: usize,
+    id: u64,
+    fresh: bool,
+    /// Headroom by the snapshot alone (the same on every gateway).
+    headroom: bool,
+    pending: u64,
+    memory: u64,
+    capacity: Option<u64>,
+    /// The snapshot's KV utilisation (0 when stale).
+    kv: f64,
+}
+
+/// Scores the snapshot's replicas for parsed facts and picks among them
+/// (see [`crate::score`]). `hits` is the prefix index's answer, `table` the
+/// gateway's load.
 pub fn pick_fleet(
     cfg: &Config,
     facts: &Facts,
@@ -354,8 +403,7 @@ pub fn pick_fleet(
 ) -> Decision {
     let f = &cfg.fleet;
     let view_age = view.age_ms(now_ms);
-    let blocks = facts.blocks.len().max(1) as f64;
-    let mut degraded = false;
+    let key = facts.affinity.key();
     // One pass over the fleet: the standing first (a few field reads), the
     // model list only for replicas that are not out. (Measured cheaper than
     // two passes without this list: callgrind, examples/request_path.rs.)
@@ -369,90 +417,117 @@ pub fn pick_fleet(
         })
         .collect();
     let wanted = wanted(|s| serving.iter().any(|&(_, t)| t == s));
-    let mut cands = Vec::with_capacity(serving.len());
+    let mut degraded = false;
+    let mut seen = Vec::with_capacity(serving.len());
     for &(index, _) in serving.iter().filter(|&&(_, s)| s == wanted) {
         let (Some(host), Some(id)) = (view.hosts.get(index), view.set.get(index)) else {
             continue;
         };
-        let fresh = host.age_ms(view_age) <= f.stale_after_ms;
+        let st = &host.state;
         // Stale metrics say nothing reliable about load: such a replica is
-        // scored on the gateway's load only, and Envoy's retries cover it if
-        // it is gone.
+        // judged on the gateway's own figures, and Envoy's retries cover it
+        // if it is gone.
+        let fresh = host.age_ms(view_age) <= f.stale_after_ms;
         degraded |= !fresh;
-        let (kv, waiting) = if fresh {
-            (host.state.kv_utilization, host.state.waiting)
-        } else {
-            (0.0, 0)
-        };
         let gw = table.entry(id.id);
-        let queued = u64::from(waiting)
-            .saturating_mul(f.waiting_request_tokens)
-            .max(gw.prefill);
-        let queue_term = (queued as f64 / f.queue_norm_tokens as f64).min(1.0);
-        let hit = hits
-            .iter()
-            .find(|(h, _)| *h == id.id)
-            .map_or(0.0, |&(_, d)| f64::from(d) / blocks)
-            .min(1.0);
-        // A pressured replica loses its locality bonus: its conversations
-        // compete like new ones. (Ordering pressured replicas last, or
-        // penalising them, herded traffic onto the few unpressured ones
-        // between snapshots in the score_sweep measurements.)
-        let pressured = fresh && (kv >= f.kv_pressure || waiting >= f.queue_pressure);
-        let hit = if pressured { 0.0 } else { hit };
-        cands.push(Candidate {
+        let (pending, engine_memory) = if fresh {
+            let waiting = u64::from(st.waiting).saturating_mul(f.waiting_request_tokens);
+            let pending = waiting.max(gw.prefill);
+            // The engine's KV in use, plus what waits to be admitted (not
+            // in its KV yet).
+            let kv = st
+                .kv_capacity_tokens
+                .map(|c| (st.kv_utilization.clamp(0.0, 1.0) * c as f64) as u64);
+            (pending, kv.map(|kv| kv.saturating_add(pending)))
+        } else {
+            (gw.prefill, None)
+        };
+        seen.push(Replica {
             index,
             id: id.id,
-            score: f.w_prefix * hit - f.w_kv * kv - f.w_queue * queue_term,
-            pressured,
-            // Bounded load balances what this gateway dispatches; the
-            // engines' own figures act through the score and the pressure
-            // threshold, so locality only yields at the threshold.
-            load: gw.prefill.saturating_add(gw.decode),
+            fresh,
+            headroom: !fresh
+                || (st.kv_utilization < f.kv_pressure && st.waiting < f.queue_pressure),
+            pending,
+            memory: engine_memory.unwrap_or(0).max(gw.memory),
+            capacity: st.kv_capacity_tokens.filter(|&c| c > 0),
+            kv: if fresh {
+                st.kv_utilization.clamp(0.0, 1.0)
+            } else {
+                0.0
+            },
         });
     }
-    let key = facts.affinity.key();
-    let bounds = Bounds {
-        epsilon: cfg.epsilon,
-        floor: cfg.load_floor_tokens,
-        fallbacks: cfg.fallbacks,
-    };
-    match score::pick_scored(&cands, key, facts.cost(), f.score_quantum, bounds) {
-        None => Decision {
-            reason: Reason::NoHosts,
-            pick: None,
-            targets: Vec::new(),
-            degraded,
-            key: Some(key),
-            charge: None,
-        },
-        Some(p) => {
-            let reason = match (p.spilled, facts.affinity) {
-                (true, _) => Reason::Spill,
-                (false, Affinity::Session(_)) => Reason::Session,
-                (false, Affinity::Prefix(_)) => Reason::Prefix,
+    // The key's home: its rendezvous top among the replicas with headroom.
+    let home = seen
+        .iter()
+        .filter(|r| r.headroom)
+        .max_by_key(|r| picker::rank(key, r.id))
+        .map(|r| r.id);
+    let blocks = facts.blocks.len().max(1) as f64;
+    let input = facts.input_tokens as f64;
+    let need = facts.memory();
+    let mut uncached_of = Vec::with_capacity(seen.len());
+    let cands: Vec<Candidate> = seen
+        .iter()
+        .map(|r| {
+            let indexed = hits
+                .iter()
+                .find(|(h, _)| *h == r.id)
+                .map_or(0.0, |&(_, d)| f64::from(d) / blocks)
+                .min(1.0);
+            // The home is assumed to hold what every gateway sent there
+            // under this key; the index's own evidence elsewhere wins when
+            // it is deeper.
+            let share = if home == Some(r.id) {
+                indexed.max(f.home_cached_share)
+            } else {
+                indexed
             };
-            let charge = view.set.get(p.primary).map(|h| Charge {
-                host: h.id,
-                prefill: facts.input_tokens,
-                decode: facts.output_tokens,
-            });
-            Decision {
-                reason,
-                targets: targets(&view.set, &p),
-                pick: Some(p),
-                degraded,
-                key: Some(key),
-                charge,
+            let uncached = input * (1.0 - share);
+            // What the gateway counts as pending there until the first
+            // byte: the prompt less what its own index knows is cached (not
+            // the home's assumed share: a hot key's home would look idle),
+            // at least one token.
+            uncached_of.push((r.index, ((input * (1.0 - indexed)) as u64).max(1)));
+            let ttft =
+                (r.pending as f64 + uncached * (1.0 + f.recompute_weight)) / f.prefill_tokens_per_s;
+            // Predicted KV use; without a capacity, the engine's own
+            // utilisation (this request's share unknown).
+            let used = r
+                .capacity
+                .map_or(r.kv, |c| r.memory.saturating_add(need) as f64 / c as f64);
+            let over = ((used - f.memory_knee) / (1.0 - f.memory_knee)).max(0.0);
+            let memory_term = f.memory_seconds * over * over;
+            Candidate {
+                index: r.index,
+                id: r.id,
+                score: -(ttft + memory_term),
+                pressured: r.fresh && !r.headroom,
+                load: r.memory,
+                floor: r.capacity.map_or(cfg.load_floor_tokens, |c| {
+                    ((c as f64 * f.memory_floor) as u64).saturating_sub(need)
+                }),
             }
-        }
-    }
+        })
+        .collect();
+    let bounds = Bounds {
+        floor: 0,
+        ..bounds(cfg)
+    };
+    let pick = score::pick_scored(&cands, key, need, f.cost_quantum_s, bounds);
+    decision(&view.set, facts, pick, degraded, |i| {
+        uncached_of
+            .iter()
+            .find(|&&(k, _)| k == i)
+            .map_or(facts.input_tokens, |&(_, u)| u)
+    })
 }
 
 fn publish_totals(metrics: &dyn Metrics, table: &LoadTable) {
-    let (prefill, decode) = table.totals();
+    let (prefill, memory) = table.totals();
     metrics.gauge(Gauge::InflightPrefillTokens, prefill);
-    metrics.gauge(Gauge::InflightDecodeTokens, decode);
+    metrics.gauge(Gauge::InflightMemoryTokens, memory);
 }
 
 /// Whether a replica may take work, by what the snapshot says of it.
@@ -613,7 +688,7 @@ pub fn route(
 
 /// Takes back (part of) a charge.
 pub fn release(cfg: &Config, store: &dyn SharedData, metrics: &dyn Metrics, charge: Charge) {
-    if charge.prefill == 0 && charge.decode == 0 {
+    if charge.prefill == 0 && charge.memory == 0 {
         return;
     }
     match load::update(store, &cfg.load_key, |t| t.release(charge)) {
@@ -825,22 +900,27 @@ mod tests {
         let d = route(&c, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0);
         assert_eq!(d.reason, Reason::Session);
         let charge = d.charge.unwrap();
-        assert_eq!((charge.prefill, charge.decode), (f.input_tokens, 50));
+        // The prompt is pending until the first byte (no prefix index
+        // without a snapshot: all of it); the prompt and half the output
+        // are held until the end.
+        let held = f.input_tokens + 25;
+        assert_eq!(held, f.memory());
+        assert_eq!((charge.prefill, charge.memory), (f.input_tokens, held));
         assert_eq!(
             load::read(&store, &c.load_key).totals(),
-            (f.input_tokens, 50)
+            (f.input_tokens, held)
         );
-        assert_eq!(m.gauges.borrow()["kvroute_inflight_decode_tokens"], 50);
+        assert_eq!(m.gauges.borrow()["kvroute_inflight_memory_tokens"], held);
         release(
             &c,
             &store,
             &m,
             Charge {
-                decode: 0,
+                memory: 0,
                 ..charge
             },
         );
-        assert_eq!(load::read(&store, &c.load_key).totals(), (0, 50));
+        assert_eq!(load::read(&store, &c.load_key).totals(), (0, held));
         release(
             &c,
             &store,
@@ -1082,8 +1162,9 @@ mod tests {
     }
 
     #[test]
-    fn pressure_moves_conversations_only_past_the_threshold() {
-        // A conversation whose prefix the index places on host 1.
+    fn locality_yields_when_the_queue_outweighs_the_cache() {
+        // A conversation (about 2400 prompt tokens) whose prefix the index
+        // places on its replica.
         let c = cfg();
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
@@ -1118,10 +1199,11 @@ mod tests {
             "10.0.0.1:80"
         };
         release(&c, &store, &m, home.charge.unwrap());
-        // Busy but below the thresholds (0.85 < 0.9, 20 < 32): it stays.
+        // A queue shorter than the prompt (one waiting request, 1024
+        // tokens): the cache saves more than the queue costs, it stays.
         let busy = view(
             &[
-                (&home_addr, true, 0.85, 20, &[]),
+                (&home_addr, true, 0.3, 1, &[]),
                 (other_addr, true, 0.0, 0, &[]),
             ],
             0,
@@ -1140,10 +1222,33 @@ mod tests {
         );
         assert_eq!(d.targets[0], home_addr, "{d:?}");
         release(&c, &store, &m, d.charge.unwrap());
-        // Past the KV threshold: it moves.
+        // Twenty waiting (about 20k tokens of prefill ahead): the queue
+        // costs more than the prefill elsewhere, it moves.
+        let queued = view(
+            &[
+                (&home_addr, true, 0.3, 20, &[]),
+                (other_addr, true, 0.0, 0, &[]),
+            ],
+            0,
+        );
+        let d = route(
+            &c,
+            &store,
+            &m,
+            &mut IndexCache::default(),
+            Ok(&f),
+            Some(FleetInput {
+                view: &queued,
+                now_ms: 5000,
+            }),
+            0,
+        );
+        assert_eq!(d.targets[0], other_addr, "{d:?}");
+        release(&c, &store, &m, d.charge.unwrap());
+        // Nearly full KV and no queue: the memory term moves it.
         let hot = view(
             &[
-                (&home_addr, true, 0.95, 20, &[]),
+                (&home_addr, true, 0.97, 0, &[]),
                 (other_addr, true, 0.0, 0, &[]),
             ],
             0,
@@ -1162,7 +1267,7 @@ mod tests {
         );
         assert_eq!(d.targets[0], other_addr, "{d:?}");
         release(&c, &store, &m, d.charge.unwrap());
-        // A new conversation avoids the busy replica even below the threshold.
+        // A new conversation (a few tokens) avoids even a short queue.
         let new = facts(
             &chat(
                 json!([{"role":"user","content":"fresh question"}]),
@@ -1235,14 +1340,16 @@ mod tests {
 mod equivalence {
     use super::*;
 
-    /// With zero weights and no pressure, the fleet pick is the foundation
-    /// pick: the scoring only ever reorders by what it knows.
+    /// On an idle snapshot every gateway sends a key to its home, the
+    /// foundation pick's first preference, whatever each gateway's own
+    /// load (while it is below what the cache saves).
     #[test]
-    fn zero_weights_equal_foundation() {
+    fn every_gateway_sends_a_key_home() {
         let hosts: Vec<String> = (0..8)
             .map(|i| format!("\"10.0.0.{}:8000\"", i + 1))
             .collect();
-        let cfg = Config::from_json(format!(r#"{{"hosts":[{}],"fleet":{{"weights":{{"prefix":0,"kv":0,"queue":0}},"kvPressure":1,"queuePressure":1000000}}}}"#, hosts.join(",")).as_bytes()).unwrap();
+        let cfg =
+            Config::from_json(format!(r#"{{"hosts":[{}]}}"#, hosts.join(",")).as_bytes()).unwrap();
         let snap = crate::fleet::Snapshot {
             version: 1,
             seq: 1,
@@ -1255,25 +1362,33 @@ mod equivalence {
                 .collect(),
         };
         let view = FleetView::new(snap, 0);
-        let mut table = LoadTable::default();
+        // Gateway a is idle; gateway b has 1500 tokens pending on every
+        // other host.
+        let idle = LoadTable::default();
+        let mut busy = LoadTable::default();
+        for h in cfg.hosts.iter().step_by(2) {
+            busy.add(Charge {
+                host: h.id,
+                prefill: 1500,
+                memory: 3000,
+            });
+        }
         for k in 0..2000u64 {
             let f = Facts {
                 endpoint: Endpoint::ChatCompletions,
                 model: String::new(),
                 affinity: Affinity::Prefix(k.wrapping_mul(0x9e3779b97f4a7c15)),
                 blocks: vec![],
-                input_tokens: 1000 + k % 7 * 3000,
+                input_tokens: 2000 + k % 7 * 3000,
                 output_tokens: 100,
                 stream: false,
                 non_text_parts: 0,
             };
-            let a = pick_for(&cfg, &f, &table.loads_for(&cfg.hosts));
-            let b = pick_fleet(&cfg, &f, &view, &table, &[], 0);
-            assert_eq!(a.targets, b.targets, "request {k}");
-            table.add(a.charge.unwrap());
-            if k % 3 == 0 {
-                table.release(a.charge.unwrap());
-            }
+            let home = pick_for(&cfg, &f, &[]);
+            let a = pick_fleet(&cfg, &f, &view, &idle, &[], 0);
+            let b = pick_fleet(&cfg, &f, &view, &busy, &[], 0);
+            assert_eq!(a.targets[0], home.targets[0], "request {k}");
+            assert_eq!(b.targets[0], home.targets[0], "request {k}");
         }
     }
 }

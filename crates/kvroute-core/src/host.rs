@@ -160,7 +160,7 @@ impl Counter {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Gauge {
     InflightPrefillTokens,
-    InflightDecodeTokens,
+    InflightMemoryTokens,
     /// Age of the fleet snapshot in use (gateway clock), ms.
     SnapshotAgeMs,
     /// Replicas in the snapshot in use.
@@ -170,7 +170,7 @@ pub enum Gauge {
 impl Gauge {
     pub const ALL: [Gauge; 4] = [
         Gauge::InflightPrefillTokens,
-        Gauge::InflightDecodeTokens,
+        Gauge::InflightMemoryTokens,
         Gauge::SnapshotAgeMs,
         Gauge::FleetHosts,
     ];
@@ -178,7 +178,7 @@ impl Gauge {
     pub fn name(self) -> &'static str {
         match self {
             Gauge::InflightPrefillTokens => "kvroute_inflight_prefill_tokens",
-            Gauge::InflightDecodeTokens => "kvroute_inflight_decode_tokens",
+            Gauge::InflightMemoryTokens => "kvroute_inflight_memory_tokens",
             Gauge::SnapshotAgeMs => "kvroute_fleet_snapshot_age_ms",
             Gauge::FleetHosts => "kvroute_fleet_hosts",
         }

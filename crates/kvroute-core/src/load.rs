@@ -1,22 +1,29 @@
 //! The gateway's own in-flight accounting, kept in shared data.
 //!
-//! Each host's load is the tokens the gateway has sent it and not yet seen
-//! answered: estimated prompt tokens until the first response byte, estimated
-//! decode tokens until the end of the stream. The table lives under one
-//! shared-data key so that every Envoy worker thread (one Wasm VM each) sees
-//! one figure, and is updated with compare-and-swap: read, change, write back
-//! with the version read, retry on a conflict.
+//! Each host carries two figures, both in tokens, for the requests this
+//! gateway sent it:
+//! - **prefill pending**: estimated prompt tokens, released at the first
+//!   response byte (the work ahead of a new request's first token);
+//! - **memory held**: estimated prompt plus output tokens, released at the
+//!   end of the stream (the KV memory the request holds for its whole
+//!   life). Bounded load acts on this figure.
 //!
-//! Encoding (little endian): the magic `KVL1`, then 24 bytes per busy host:
-//! host id (u64), prefill tokens (u64), decode tokens (u64). Hosts with no
+//! The table lives under one shared-data key so that every Envoy worker
+//! thread (one Wasm VM each) sees one figure, and is updated with
+//! compare-and-swap: read, change, write back with the version read, retry
+//! on a conflict.
+//!
+//! Encoding (little endian): the magic `KVL2`, then 24 bytes per busy host:
+//! host id (u64), prefill pending (u64), memory held (u64). Hosts with no
 //! load are dropped, so the value stays as small as the busy part of the
 //! fleet. Hosts are keyed by id, not position, so a config change that
-//! reorders the host list keeps everyone's load.
+//! reorders the host list keeps everyone's load. (`KVL1` held prefill and
+//! decode tokens instead; its key, `load.v1`, is no longer read.)
 
 use crate::host::{SetError, SharedData};
 use crate::picker::HostSet;
 
-const MAGIC: &[u8; 4] = b"KVL1";
+const MAGIC: &[u8; 4] = b"KVL2";
 const ENTRY: usize = 24;
 
 /// One host's in-flight tokens.
@@ -24,7 +31,7 @@ const ENTRY: usize = 24;
 pub struct Entry {
     pub host: u64,
     pub prefill: u64,
-    pub decode: u64,
+    pub memory: u64,
 }
 
 /// In-flight tokens per host.
@@ -42,7 +49,7 @@ pub struct DecodeError;
 pub struct Charge {
     pub host: u64,
     pub prefill: u64,
-    pub decode: u64,
+    pub memory: u64,
 }
 
 impl LoadTable {
@@ -63,7 +70,7 @@ impl LoadTable {
             .map(|c| Entry {
                 host: word(c, 0),
                 prefill: word(c, 1),
-                decode: word(c, 2),
+                memory: word(c, 2),
             })
             .collect();
         Ok(LoadTable { entries })
@@ -75,7 +82,7 @@ impl LoadTable {
         for e in &self.entries {
             out.extend_from_slice(&e.host.to_le_bytes());
             out.extend_from_slice(&e.prefill.to_le_bytes());
-            out.extend_from_slice(&e.decode.to_le_bytes());
+            out.extend_from_slice(&e.memory.to_le_bytes());
         }
         out
     }
@@ -96,21 +103,22 @@ impl LoadTable {
             })
     }
 
-    /// Total load per host, aligned with `hosts`.
+    /// Memory held per host, aligned with `hosts`: the load of bounded
+    /// load.
     pub fn loads_for(&self, hosts: &HostSet) -> Vec<u64> {
         let mut loads = vec![0u64; hosts.len()];
         for e in &self.entries {
             if let Some(slot) = hosts.index_of(e.host).and_then(|i| loads.get_mut(i)) {
-                *slot = e.prefill.saturating_add(e.decode);
+                *slot = e.memory;
             }
         }
         loads
     }
 
-    /// Sums over all hosts: (prefill, decode).
+    /// Sums over all hosts: (prefill pending, memory held).
     pub fn totals(&self) -> (u64, u64) {
         self.entries.iter().fold((0, 0), |(p, d), e| {
-            (p.saturating_add(e.prefill), d.saturating_add(e.decode))
+            (p.saturating_add(e.prefill), d.saturating_add(e.memory))
         })
     }
 
@@ -118,12 +126,12 @@ impl LoadTable {
         match self.entries.iter_mut().find(|e| e.host == c.host) {
             Some(e) => {
                 e.prefill = e.prefill.saturating_add(c.prefill);
-                e.decode = e.decode.saturating_add(c.decode);
+                e.memory = e.memory.saturating_add(c.memory);
             }
             None => self.entries.push(Entry {
                 host: c.host,
                 prefill: c.prefill,
-                decode: c.decode,
+                memory: c.memory,
             }),
         }
     }
@@ -133,9 +141,9 @@ impl LoadTable {
     pub fn release(&mut self, c: Charge) {
         if let Some(e) = self.entries.iter_mut().find(|e| e.host == c.host) {
             e.prefill = e.prefill.saturating_sub(c.prefill);
-            e.decode = e.decode.saturating_sub(c.decode);
+            e.memory = e.memory.saturating_sub(c.memory);
         }
-        self.entries.retain(|e| e.prefill != 0 || e.decode != 0);
+        self.entries.retain(|e| e.prefill != 0 || e.memory != 0);
     }
 }
 
@@ -198,21 +206,21 @@ mod tests {
         t.add(Charge {
             host: 1,
             prefill: 10,
-            decode: 5,
+            memory: 5,
         });
         t.add(Charge {
             host: 2,
             prefill: 3,
-            decode: 0,
+            memory: 0,
         });
         t.add(Charge {
             host: 1,
             prefill: 1,
-            decode: 1,
+            memory: 1,
         });
         assert_eq!(LoadTable::decode(&t.encode()), Ok(t.clone()));
         assert_eq!(t.totals(), (14, 6));
-        assert_eq!(LoadTable::decode(b"KVL1abc"), Err(DecodeError));
+        assert_eq!(LoadTable::decode(b"KVL2abc"), Err(DecodeError));
         assert_eq!(LoadTable::decode(b"nope"), Err(DecodeError));
         assert_eq!(LoadTable::decode(b""), Err(DecodeError));
     }
@@ -223,31 +231,31 @@ mod tests {
         t.add(Charge {
             host: 7,
             prefill: 10,
-            decode: 5,
+            memory: 5,
         });
         t.release(Charge {
             host: 7,
             prefill: 100,
-            decode: 0,
+            memory: 0,
         });
         assert_eq!(
             t.entries(),
             &[Entry {
                 host: 7,
                 prefill: 0,
-                decode: 5
+                memory: 5
             }]
         );
         t.release(Charge {
             host: 7,
             prefill: 0,
-            decode: 5,
+            memory: 5,
         });
         assert!(t.entries().is_empty());
         t.release(Charge {
             host: 9,
             prefill: 1,
-            decode: 1,
+            memory: 1,
         });
         assert!(t.entries().is_empty());
     }
@@ -260,14 +268,14 @@ mod tests {
         t.add(Charge {
             host: id1,
             prefill: 4,
-            decode: 6,
+            memory: 6,
         });
         t.add(Charge {
             host: 999,
             prefill: 1,
-            decode: 1,
+            memory: 1,
         });
-        assert_eq!(t.loads_for(&hosts), vec![0, 10]);
+        assert_eq!(t.loads_for(&hosts), vec![0, 6]);
     }
 
     #[test]
@@ -277,7 +285,7 @@ mod tests {
             t.add(Charge {
                 host: 1,
                 prefill: 2,
-                decode: 3,
+                memory: 3,
             });
             t.entries().len()
         })
@@ -293,7 +301,7 @@ mod tests {
             t.release(Charge {
                 host: 1,
                 prefill: 2,
-                decode: 3,
+                memory: 3,
             })
         })
         .unwrap();
@@ -315,7 +323,7 @@ mod tests {
             t.add(Charge {
                 host: 1,
                 prefill: 1,
-                decode: 0,
+                memory: 0,
             })
         })
         .unwrap();

@@ -1,47 +1,54 @@
-//! Scoring candidates with fleet state, inside bounded load.
+//! Scoring candidates with fleet state: the request's predicted cost on
+//! each replica, inside bounded load on KV memory.
 //!
-//! With a fleet snapshot, each candidate replica (ready, not draining,
-//! serving the request's model) gets
+//! Each candidate replica (ready, not draining, serving the request's model)
+//! gets a predicted cost in seconds, a decision under uncertainty:
 //!
 //! ```text
-//! score = w_prefix * hit - w_kv * kv - w_queue * min(queued / queueNorm, 1)
+//! cost = (pending + uncached) / prefillTokensPerS          predicted TTFT
+//!      + memorySeconds * max(0, (use - memoryKnee) / (1 - memoryKnee))^2
 //! ```
 //!
-//! - `hit`: the fraction of the request's prefix blocks the gateway's prefix
-//!   index says were sent to this replica ([`crate::index`]);
-//! - `kv`: the replica's KV-cache utilisation from the snapshot;
-//! - `queued`: queued tokens, the larger of the engine's view (waiting
-//!   requests x `waitingRequestTokens`) and the gateway's own (prompt tokens
-//!   it sent there that have not been answered yet). The gateway's figure
-//!   moves with every dispatch, so a burst cannot pile onto the replica that
-//!   looked idle in the last snapshot (the herding problem of stale data);
-//!   the engine's figure covers what other gateways sent.
+//! - `pending`: prefill ahead of the request, the larger of the engine's
+//!   view (waiting requests x `waitingRequestTokens`) and the gateway's own
+//!   (prompt tokens it sent there with no first byte yet). The gateway's
+//!   figure moves with every dispatch, so a burst cannot pile onto the
+//!   replica that looked idle in the last snapshot;
+//! - `uncached`: the request's prompt tokens less those expected cached
+//!   there: the prefix index's match ([`crate::index`]), and on the key's
+//!   *home* replica at least `homeCachedShare` of the prompt;
+//! - `use`: predicted KV use as a share of capacity: the replica's memory
+//!   ([`crate::decide`]: the engine's KV in use plus the prefill pending on
+//!   it, or the gateway's memory held when larger) plus this request's
+//!   prompt and expected output. Only where the snapshot gives the
+//!   capacity; the term rises steeply as a replica nears it, where the
+//!   engine would preempt or hold the request waiting for memory.
 //!
-//! A replica past a pressure threshold (`kv >= kvPressure` or `waiting >=
-//! queuePressure`) loses its locality bonus (`hit` counts as 0), so its
-//! conversations compete for a replica like new ones. Candidates are ordered
-//! by score rounded to a multiple of `scoreQuantum` (so metric noise does
-//! not reshuffle the order), then by the request's rendezvous rank (so equal
-//! replicas split keys consistently, as in [`crate::picker`]).
+//! Locality therefore yields when a warm replica's predicted cost exceeds a
+//! cold one's (its queue outweighs the prefill the cache saves), not at a
+//! fixed threshold. Candidates are ordered by cost rounded to a multiple of
+//! `costQuantumMs` (metric noise does not reshuffle the order), then by the
+//! request's rendezvous rank (equal replicas split keys consistently, as in
+//! [`crate::picker`]).
 //!
-//! The KV weight defaults to 0. The snapshot's KV figure is up to a scrape
-//! interval old and nothing corrects it between snapshots, so a KV term in
-//! the order sends every new conversation to the replica that looked
-//! emptiest until the next snapshot. In the `score_sweep` toy (8
-//! replicas, the Mooncake trace at 12x), any KV weight from 0.25 up raised
-//! TTFT p95 from about 6.6 s to about 42 s; on the realistic simulated
-//! fleet (docs/fleet-state.md) a KV weight of 1 did not help either. Ordering pressured replicas
-//! last, or penalising them, did the same to a lesser degree. The queue
-//! term does not herd, because the gateway's own share of it moves with
-//! every dispatch. KV still acts through the pressure threshold. The
-//! bounded-load walk of [`crate::picker`] then runs over this order, on each
-//! replica's load: the larger of the gateway's in-flight tokens and the
-//! snapshot's KV tokens in use (`kv x kvCapacityTokens`, where reported).
+//! # The same choice on every gateway
 //!
-//! With the default weights (prefix 3, kv 0, queue 2), a full prefix hit
-//! outweighs a full queue term. A conversation therefore stays on its
-//! replica until that replica is pressured or over its bounded load, while
-//! new conversations (hit 0 everywhere) go to the shortest queues.
+//! A key's home is the rendezvous top of its affinity key among the
+//! replicas with headroom *by the snapshot* (KV below `kvPressure`, fewer
+//! than `queuePressure` waiting): a function of the request and the
+//! snapshot only, which every gateway shares. Assuming the home holds the
+//! key's prefix makes every gateway send a conversation there even when its
+//! own prefix index has never seen it; per-gateway state (the index, the
+//! gateway's own pending prefill and memory) only moves a request off its
+//! home when the predicted costs differ by more than the cache saves.
+//!
+//! # Bounded load
+//!
+//! The bounded-load walk of [`crate::picker`] then runs over this order on
+//! each replica's memory: a replica is admissible while its memory is at
+//! most `(1 + epsilon)` times the average, or while its predicted use stays
+//! under `memoryFloor` of its capacity (`loadFloorTokens` where the
+//! capacity is unknown). It is a safety net: the cost already spreads load.
 
 use std::cmp::Ordering;
 
@@ -53,12 +60,15 @@ pub struct Candidate {
     /// Position in the routing universe (the snapshot's host list).
     pub index: usize,
     pub id: u64,
+    /// Higher is better: the negated predicted cost, in seconds.
     pub score: f64,
-    /// Past a pressure threshold (its locality bonus is already dropped
-    /// from `score`); kept for explanations.
+    /// No headroom by the snapshot (it cannot be a home); kept for
+    /// explanations.
     pub pressured: bool,
-    /// Tokens in flight or in use, for bounded load.
+    /// KV memory in tokens, for bounded load.
     pub load: u64,
+    /// At or below this load the replica always admits.
+    pub floor: u64,
 }
 
 fn bucket(score: f64, quantum: f64) -> f64 {
@@ -101,9 +111,10 @@ pub fn pick_scored(
     let total = cands.iter().map(|c| c.load).fold(0u64, u64::saturating_add);
     let cap = bounds.cap(total, cost, cands.len());
     // The admission test of picker::pick (the request's own cost only in
-    // the average; see there why). The least-loaded fallback only covers
-    // float rounding.
-    let admissible = |k: usize| (load(k) as f64) <= cap;
+    // the average; see there why), with each replica's own floor. The
+    // least-loaded fallback only covers float rounding.
+    let floor = |k: usize| cands.get(k).map_or(0, |c| c.floor);
+    let admissible = |k: usize| (load(k) as f64) <= cap || load(k) <= floor(k);
     let primary = ord
         .iter()
         .copied()
@@ -137,6 +148,7 @@ mod tests {
             score,
             pressured,
             load,
+            floor: 0,
         }
     }
 
@@ -181,6 +193,12 @@ mod tests {
         let p = pick_scored(&c, 5, 1000, 0.05, B).unwrap();
         assert_ne!(p.primary, 0);
         assert!(p.spilled);
+        // Under its own floor it admits whatever the average.
+        let mut floored = c;
+        floored[0].floor = 60_000;
+        let p = pick_scored(&floored, 5, 1000, 0.05, B).unwrap();
+        assert_eq!(p.primary, 0);
+        assert!(!p.spilled);
     }
 
     #[test]

@@ -375,9 +375,6 @@ impl Router for Kvroute {
         _engines: &[&Scheduler],
     ) -> Result<Ticket, String> {
         let now_ms = self.now_ms(now_s);
-        if self.model != req.model {
-            self.model = req.model.to_owned();
-        }
         let cfg = &self.cfg;
         let Some(g) = self.gateways.get_mut(gw) else {
             return Err(format!("no gateway {gw}"));
@@ -420,7 +417,7 @@ impl Router for Kvroute {
             .ok_or_else(|| format!("kvroute named {primary}, not a replica"))?;
         let mut charge = d.charge;
         if let (true, Some(c)) = (self.headers_at_submit, charge) {
-            self.release(gw, Charge { decode: 0, ..c });
+            self.release(gw, Charge { memory: 0, ..c });
             charge = Some(Charge { prefill: 0, ..c });
         }
         Ok(Ticket {
@@ -434,7 +431,7 @@ impl Router for Kvroute {
 
     fn first_token(&mut self, gw: usize, t: &Ticket, _now_s: f64) {
         if let Some(c) = t.charge {
-            self.release(gw, Charge { decode: 0, ..c });
+            self.release(gw, Charge { memory: 0, ..c });
         }
     }
 
