@@ -1168,6 +1168,10 @@ mod tests {
         let c = cfg();
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
+        let on = |f: &Facts, view: &FleetView| {
+            let fleet = Some(FleetInput { view, now_ms: 5000 });
+            route(&c, &store, &m, &mut IndexCache::default(), Ok(f), fleet, 0)
+        };
         let doc = "shared document ".repeat(600);
         let f = facts(
             &chat(json!([{"role":"user","content":doc}]), json!({})),
@@ -1180,18 +1184,7 @@ mod tests {
             ],
             0,
         );
-        let home = route(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&f),
-            Some(FleetInput {
-                view: &calm,
-                now_ms: 5000,
-            }),
-            0,
-        );
+        let home = on(&f, &calm);
         let home_addr = home.targets[0].clone();
         let other_addr = if home_addr == "10.0.0.1:80" {
             "10.0.0.2:80"
@@ -1208,18 +1201,7 @@ mod tests {
             ],
             0,
         );
-        let d = route(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&f),
-            Some(FleetInput {
-                view: &busy,
-                now_ms: 5000,
-            }),
-            0,
-        );
+        let d = on(&f, &busy);
         assert_eq!(d.targets[0], home_addr, "{d:?}");
         release(&c, &store, &m, d.charge.unwrap());
         // Twenty waiting (about 20k tokens of prefill ahead): the queue
@@ -1231,18 +1213,7 @@ mod tests {
             ],
             0,
         );
-        let d = route(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&f),
-            Some(FleetInput {
-                view: &queued,
-                now_ms: 5000,
-            }),
-            0,
-        );
+        let d = on(&f, &queued);
         assert_eq!(d.targets[0], other_addr, "{d:?}");
         release(&c, &store, &m, d.charge.unwrap());
         // Nearly full KV and no queue: the memory term moves it.
@@ -1253,18 +1224,7 @@ mod tests {
             ],
             0,
         );
-        let d = route(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&f),
-            Some(FleetInput {
-                view: &hot,
-                now_ms: 5000,
-            }),
-            0,
-        );
+        let d = on(&f, &hot);
         assert_eq!(d.targets[0], other_addr, "{d:?}");
         release(&c, &store, &m, d.charge.unwrap());
         // A new conversation (a few tokens) avoids even a short queue.
@@ -1275,18 +1235,7 @@ mod tests {
             ),
             None,
         );
-        let d = route(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&new),
-            Some(FleetInput {
-                view: &busy,
-                now_ms: 5000,
-            }),
-            0,
-        );
+        let d = on(&new, &busy);
         assert_eq!(d.targets[0], other_addr);
     }
 
