@@ -22,7 +22,7 @@
 
 mod host;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -62,6 +62,9 @@ struct Shared {
     /// Output-length priors read recently (at most one read per model per
     /// second on the request path).
     priors: RefCell<usage::PriorCache>,
+    /// When this worker last logged a refused conflicting push (one line
+    /// per lease, not one per push).
+    conflict_logged_ms: Cell<u64>,
 }
 
 /// The gateway's clock in Unix milliseconds (0 if the host refuses).
@@ -177,6 +180,7 @@ impl RootContext for Root {
                     index: RefCell::new(IndexCache::default()),
                     fleet: RefCell::new(FleetCache::default()),
                     priors: RefCell::new(usage::PriorCache::default()),
+                    conflict_logged_ms: Cell::new(0),
                 }));
                 true
             }
@@ -501,6 +505,26 @@ impl Ingest {
         match &outcome {
             Outcome::Accepted { seq } => {
                 log::debug!("[{}] kvroute: ingest accepted seq {seq}", self.id)
+            }
+            Outcome::TookOver {
+                seq,
+                from,
+                silent_ms,
+            } => log::info!(
+                "[{}] kvroute: ingest accepted seq {seq}; this collector took the snapshot over from {from:?}, silent for {silent_ms} ms",
+                self.id
+            ),
+            Outcome::Conflict { lease_ms, .. } => {
+                let now = now_ms();
+                let last = self.shared.conflict_logged_ms.get();
+                if last == 0 || now.saturating_sub(last) >= (*lease_ms).max(1000) {
+                    self.shared.conflict_logged_ms.set(now);
+                    log::warn!(
+                        "[{}] kvroute: ingest refused with 409: {} (kvroute_ingest_conflicts_total counts every refused push)",
+                        self.id,
+                        outcome.body().unwrap_or_default()
+                    );
+                }
             }
             other => log::warn!(
                 "[{}] kvroute: ingest refused with {}: {}",

@@ -842,3 +842,38 @@ def test_killed_collector_degrades_then_recovers(stack_factory, wasm_path, colle
     print(f"\n[fleet] collector killed: degraded after staleAfterMs={STALE_AFTER_MS} (snapshot age {age:.0f} ms); "
           f"restarted: fleet mode again {restored_ms:.0f} ms after the new process started")
     again.stop()
+
+
+def test_a_second_collector_is_refused_then_takes_over(stack_factory, wasm_path, collector_binary):
+    """Two collectors with different views push to one gateway: the owner's
+    view holds (the other's pushes get 409 and are counted) until the owner
+    falls silent for ingest.ownerLeaseMs; then the other takes over."""
+    lease_ms = 600
+    stack = stack_factory(replicas=4, concurrency=2, ingest_token=TOKEN,
+                          ingest_overrides={"ingest": {"ownerLeaseMs": lease_ms}})
+    for h in stack.live_hosts:
+        stack.replica_control(h, ready=True, kv=0.0, waiting=0, running=0, models=["test-model"])
+    owner = stack.start_collector(binary=collector_binary, interval_ms=COLLECTOR_INTERVAL_MS,
+                                  collector_id="e2e-owner")
+    wait_for_pushes(stack)
+    standby = stack.start_collector(binary=collector_binary, interval_ms=COLLECTOR_INTERVAL_MS,
+                                    collector_id="e2e-standby", engines=stack.live_hosts[:3])
+    wait_until(lambda: metric(stack, "kvroute_ingest_conflicts_total") >= 5, 5.0,
+               what="the standby's pushes refused")
+    # The owner's four-replica view holds while both push.
+    assert metric(stack, "kvroute_fleet_hosts") == 4
+    assert len(spread(stack, "two-collectors", n=40)) == 4
+    wait_until(lambda: "owns this gateway's snapshot" in standby.log_text(), 3.0,
+               what="the standby's log naming the conflict")
+    log = stack.envoy.log_text()
+    assert log.count("conflicts with") >= 1, log[-2000:]
+
+    owner.kill()
+    t0 = time.perf_counter()
+    wait_until(lambda: metric(stack, "kvroute_fleet_hosts") == 3, 5.0, interval=0.02,
+               what="the standby's view in use")
+    took_ms = (time.perf_counter() - t0) * 1000
+    assert took_ms >= lease_ms * 0.5, took_ms
+    assert "took the snapshot over from \"e2e-owner\"" in stack.envoy.log_text()
+    assert stack.live_hosts[3] not in spread(stack, "standby-view", n=30)
+    print(f"\n[fleet] owner killed: the standby's view in use after {took_ms:.0f} ms (lease {lease_ms} ms)")

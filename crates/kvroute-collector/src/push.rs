@@ -9,8 +9,9 @@
 //!
 //! Answers: 2xx accepted (the ingest answers 204); 401 bad token; 413 too
 //! large; 400 invalid (body `{"error": "..."}`); 409 `seq` older than the
-//! stored snapshot. Every result is counted by gateway and status; a change
-//! of result is logged once, with the status and the gateway's error text,
+//! stored snapshot, or another collector owns the gateway's snapshot. Every
+//! result is counted by gateway and status; a change of result is logged
+//! once, with the status and the gateway's error text,
 //! so a refusing gateway does not fill the log four times a second. Nothing
 //! stops the pushing.
 
@@ -224,6 +225,9 @@ fn log_change(gateway: &Gateway, payload: &Payload, outcome: &Outcome, first: bo
                     payload.body.len()
                 ),
                 400 => " (the gateway found the snapshot invalid)".to_owned(),
+                409 if text.contains("owns this gateway's snapshot") => {
+                    " (another collector pushes to this gateway and owns its snapshot: this one takes over only when that one stops; give each gateway one collector, or run this one as a standby)".to_owned()
+                }
                 409 => format!(
                     " (seq {} is older than the gateway's stored snapshot: another collector pushes later seqs, or this host's clock stepped back)",
                     payload.seq

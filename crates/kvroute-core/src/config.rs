@@ -121,6 +121,10 @@ pub struct RawIngest {
     pub token: String,
     #[serde(default = "defaults::ingest_max_bytes")]
     pub max_bytes: u64,
+    /// A collector owns the snapshot while it pushes; another collector's
+    /// pushes are refused until the owner has been silent this long.
+    #[serde(default = "defaults::owner_lease_ms")]
+    pub owner_lease_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -292,6 +296,11 @@ pub mod defaults {
     pub fn ingest_max_bytes() -> u64 {
         4 << 20
     }
+    /// The router's default `fleet.staleAfterMs`: a standby collector takes
+    /// over when the owner's data would go stale anyway.
+    pub fn owner_lease_ms() -> u64 {
+        2000
+    }
 }
 
 /// A configuration error: which field, what value, why.
@@ -367,6 +376,8 @@ pub struct FleetConfig {
     pub snapshot_key: String,
     /// Shared-data key of the snapshot's version stamp (seq, ingest time).
     pub stamp_key: String,
+    /// Shared-data key of the collector that owns the snapshot.
+    pub owner_key: String,
     /// Prefix of the prefix-index slot keys.
     pub index_key_prefix: String,
 }
@@ -375,6 +386,8 @@ pub struct FleetConfig {
 pub struct IngestConfig {
     pub token: String,
     pub max_bytes: usize,
+    /// 0: any collector's newer push replaces the snapshot.
+    pub owner_lease_ms: u64,
 }
 
 /// Upper bounds that keep the filter's allocation bounded whatever the
@@ -642,9 +655,17 @@ impl RawConfig {
                         &format!("must be between 1 and {MAX_BODY_BYTES}"),
                     ));
                 }
+                if i.owner_lease_ms > 3_600_000 {
+                    return Err(err(
+                        "ingest.ownerLeaseMs",
+                        i.owner_lease_ms,
+                        "must be between 0 (no owner) and 3600000",
+                    ));
+                }
                 Some(IngestConfig {
                     token: i.token.clone(),
                     max_bytes: i.max_bytes as usize,
+                    owner_lease_ms: i.owner_lease_ms,
                 })
             }
             (Role::Router, None) => None,
@@ -665,6 +686,7 @@ impl RawConfig {
             prefix_ttl_ms: f.prefix_ttl_ms,
             snapshot_key: format!("{prefix}.fleet.v1"),
             stamp_key: format!("{prefix}.fleet.stamp.v1"),
+            owner_key: format!("{prefix}.fleet.owner.v1"),
             index_key_prefix: format!("{prefix}.px."),
         };
         Ok(Config {

@@ -105,11 +105,12 @@ pub enum Counter {
     IngestTooLarge,
     IngestInvalid,
     IngestStale,
+    IngestConflict,
     SnapshotDecodeFailed,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 19] = [
+    pub const ALL: [Counter; 20] = [
         Counter::DecisionSession,
         Counter::DecisionPrefix,
         Counter::DecisionSpill,
@@ -128,6 +129,7 @@ impl Counter {
         Counter::IngestTooLarge,
         Counter::IngestInvalid,
         Counter::IngestStale,
+        Counter::IngestConflict,
         Counter::SnapshotDecodeFailed,
     ];
 
@@ -151,6 +153,7 @@ impl Counter {
             Counter::IngestTooLarge => "kvroute_ingest_too_large_total",
             Counter::IngestInvalid => "kvroute_ingest_invalid_total",
             Counter::IngestStale => "kvroute_ingest_stale_total",
+            Counter::IngestConflict => "kvroute_ingest_conflicts_total",
             Counter::SnapshotDecodeFailed => "kvroute_snapshot_decode_failures_total",
         }
     }

@@ -1,10 +1,25 @@
 //! Fleet snapshots in shared data: the ingest side (validate, store) and the
 //! router side (decode once per stored version per VM).
 //!
-//! Two keys:
+//! Three keys:
 //! - `<prefix>.fleet.v1`: 16-byte header (`seq`, ingest time, little endian)
 //!   followed by the snapshot JSON;
-//! - `<prefix>.fleet.stamp.v1`: the same 16-byte header alone.
+//! - `<prefix>.fleet.stamp.v1`: the same 16-byte header alone;
+//! - `<prefix>.fleet.owner.v1`: the collector that owns the snapshot (8-byte
+//!   time of its last accepted push, then its id).
+//!
+//! One collector owns a gateway's snapshot at a time. Two collectors with
+//! different views pushing to one gateway (a misconfigured Service, a second
+//! deployment) would otherwise make the view flip on every push, since both
+//! `seq`s follow the wall clock. The rule: a push from another collector
+//! than the owner is refused with 409 (`kvroute_ingest_conflicts_total`,
+//! logged at most once per lease) while the owner's last accepted push is
+//! younger than `ingest.ownerLeaseMs`; after that the pusher takes over
+//! (logged). So a standby collector is a working failover: it takes over
+//! when the owner's data would go stale anyway (the lease's default is the
+//! router's default `fleet.staleAfterMs`). The owner check and the snapshot
+//! write are two shared-data operations: two collectors whose first pushes
+//! race can both be accepted once, and the next push settles the owner.
 //!
 //! Ingest replaces the snapshot with compare-and-swap and only with a higher
 //! `seq`, so an older or replayed push never replaces a newer snapshot, even
@@ -38,10 +53,24 @@ pub enum Outcome {
     },
     /// 400: malformed or invalid, with what is wrong.
     Invalid(String),
+    /// 204: stored, and the pusher took the snapshot over from a silent
+    /// owner.
+    TookOver {
+        seq: u64,
+        from: String,
+        silent_ms: u64,
+    },
     /// 409: not newer than the stored snapshot.
     Stale {
         stored: u64,
         pushed: u64,
+    },
+    /// 409: another collector owns the snapshot and pushed recently.
+    Conflict {
+        owner: String,
+        pushed: String,
+        silent_ms: u64,
+        lease_ms: u64,
     },
     /// 404 / 405: not the ingest endpoint.
     NotFound,
@@ -53,11 +82,11 @@ pub enum Outcome {
 impl Outcome {
     pub fn status(&self) -> u32 {
         match self {
-            Outcome::Accepted { .. } => 204,
+            Outcome::Accepted { .. } | Outcome::TookOver { .. } => 204,
             Outcome::Unauthorized => 401,
             Outcome::TooLarge { .. } => 413,
             Outcome::Invalid(_) => 400,
-            Outcome::Stale { .. } => 409,
+            Outcome::Stale { .. } | Outcome::Conflict { .. } => 409,
             Outcome::NotFound => 404,
             Outcome::MethodNotAllowed => 405,
             Outcome::Unavailable => 503,
@@ -67,13 +96,22 @@ impl Outcome {
     /// JSON error body (none for 204).
     pub fn body(&self) -> Option<String> {
         let msg = match self {
-            Outcome::Accepted { .. } => return None,
+            Outcome::Accepted { .. } | Outcome::TookOver { .. } => return None,
             Outcome::Unauthorized => "missing or wrong bearer token".to_owned(),
             Outcome::TooLarge { limit } => format!("snapshot larger than {limit} bytes"),
             Outcome::Invalid(e) => format!("invalid snapshot: {e}"),
             Outcome::Stale { stored, pushed } => {
                 format!("seq {pushed} is not newer than the stored seq {stored}")
             }
+            Outcome::Conflict {
+                owner,
+                pushed,
+                silent_ms,
+                lease_ms,
+            } => format!(
+                "collector {pushed:?} conflicts with {owner:?}, which owns this gateway's snapshot \
+                 (last push {silent_ms} ms ago); it takes over after {lease_ms} ms without one"
+            ),
             Outcome::NotFound => format!("not found: push snapshots to POST {INGEST_PATH}"),
             Outcome::MethodNotAllowed => format!("method not allowed: use POST {INGEST_PATH}"),
             Outcome::Unavailable => "shared data unavailable".to_owned(),
@@ -83,11 +121,12 @@ impl Outcome {
 
     pub fn counter(&self) -> Option<Counter> {
         match self {
-            Outcome::Accepted { .. } => Some(Counter::IngestAccepted),
+            Outcome::Accepted { .. } | Outcome::TookOver { .. } => Some(Counter::IngestAccepted),
             Outcome::Unauthorized => Some(Counter::IngestUnauthorized),
             Outcome::TooLarge { .. } => Some(Counter::IngestTooLarge),
             Outcome::Invalid(_) => Some(Counter::IngestInvalid),
             Outcome::Stale { .. } => Some(Counter::IngestStale),
+            Outcome::Conflict { .. } => Some(Counter::IngestConflict),
             _ => None,
         }
     }
@@ -125,8 +164,103 @@ fn header_of(bytes: &[u8]) -> Option<Stamp> {
     Stamp::decode(bytes.get(..16)?)
 }
 
+/// Longest collector id kept in the owner key (longer ids compare by this
+/// prefix).
+const MAX_OWNER_ID: usize = 256;
+
+/// The owner key's value: when its last push was accepted, and its id.
+struct Owner {
+    at_ms: u64,
+    id: Vec<u8>,
+}
+
+impl Owner {
+    fn new(at_ms: u64, id: &str) -> Owner {
+        let id = id.as_bytes();
+        Owner {
+            at_ms,
+            id: id.iter().take(MAX_OWNER_ID).copied().collect(),
+        }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(8 + self.id.len());
+        v.extend_from_slice(&self.at_ms.to_le_bytes());
+        v.extend_from_slice(&self.id);
+        v
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Owner> {
+        let at_ms = u64::from_le_bytes(bytes.get(0..8)?.try_into().ok()?);
+        Some(Owner {
+            at_ms,
+            id: bytes.get(8..)?.to_vec(),
+        })
+    }
+
+    fn name(&self) -> String {
+        String::from_utf8_lossy(&self.id).into_owned()
+    }
+}
+
+/// Refuses a push from another collector than a recently active owner;
+/// `Ok(Some(..))` names a silent owner the pusher takes over from.
+fn check_owner(
+    store: &dyn SharedData,
+    key: &str,
+    lease_ms: u64,
+    pusher: &Owner,
+    now_ms: u64,
+) -> Result<Option<(String, u64)>, Outcome> {
+    let Ok((current, _)) = store.get(key) else {
+        return Err(Outcome::Unavailable);
+    };
+    let Some(owner) = current.as_deref().and_then(Owner::decode) else {
+        return Ok(None);
+    };
+    if owner.id == pusher.id {
+        return Ok(None);
+    }
+    let silent_ms = now_ms.saturating_sub(owner.at_ms);
+    if silent_ms < lease_ms {
+        return Err(Outcome::Conflict {
+            owner: owner.name(),
+            pushed: pusher.name(),
+            silent_ms,
+            lease_ms,
+        });
+    }
+    Ok(Some((owner.name(), silent_ms)))
+}
+
+/// Records the pusher as the owner. A lost race is left to the next push.
+fn claim_owner(store: &dyn SharedData, key: &str, pusher: &Owner) -> Result<(), Outcome> {
+    let value = pusher.encode();
+    for _ in 0..MAX_CAS_TRIES {
+        let Ok((current, cas)) = store.get(key) else {
+            return Err(Outcome::Unavailable);
+        };
+        if let Some(owner) = current.as_deref().and_then(Owner::decode) {
+            if owner.at_ms > pusher.at_ms {
+                return Ok(());
+            }
+        }
+        match store.set(key, &value, cas) {
+            Ok(()) => return Ok(()),
+            Err(SetError::CasMismatch) => continue,
+            Err(SetError::Host) => return Err(Outcome::Unavailable),
+        }
+    }
+    Ok(())
+}
+
 /// Validates and stores a pushed snapshot.
 pub fn store(cfg: &Config, store: &dyn SharedData, body: &[u8], now_ms: u64) -> Outcome {
+    // Without a clock (the host refused it) there is no lease to judge.
+    let lease_ms = match now_ms {
+        0 => 0,
+        _ => cfg.ingest.as_ref().map_or(0, |i| i.owner_lease_ms),
+    };
     if let Some(ing) = &cfg.ingest {
         if body.len() > ing.max_bytes {
             return Outcome::TooLarge {
@@ -138,6 +272,23 @@ pub fn store(cfg: &Config, store: &dyn SharedData, body: &[u8], now_ms: u64) -> 
         Ok(s) => s,
         Err(e) => return Outcome::Invalid(e.to_string()),
     };
+    let pusher = Owner::new(now_ms, &snap.collector);
+    let mut took_over = None;
+    if lease_ms > 0 {
+        // An old or replayed push is stale whoever sent it.
+        if let Ok((Some(v), _)) = store.get(&cfg.fleet.stamp_key) {
+            if let Some(old) = Stamp::decode(&v).filter(|old| old.seq >= snap.seq) {
+                return Outcome::Stale {
+                    stored: old.seq,
+                    pushed: snap.seq,
+                };
+            }
+        }
+        match check_owner(store, &cfg.fleet.owner_key, lease_ms, &pusher, now_ms) {
+            Ok(t) => took_over = t,
+            Err(o) => return o,
+        }
+    }
     let stamp = Stamp {
         seq: snap.seq,
         ingested_at_ms: now_ms,
@@ -184,7 +335,19 @@ pub fn store(cfg: &Config, store: &dyn SharedData, body: &[u8], now_ms: u64) -> 
             return Outcome::Unavailable;
         }
     }
-    Outcome::Accepted { seq: snap.seq }
+    if lease_ms > 0 {
+        if let Err(o) = claim_owner(store, &cfg.fleet.owner_key, &pusher) {
+            return o;
+        }
+    }
+    match took_over {
+        Some((from, silent_ms)) => Outcome::TookOver {
+            seq: snap.seq,
+            from,
+            silent_ms,
+        },
+        None => Outcome::Accepted { seq: snap.seq },
+    }
 }
 
 /// A router VM's decoded snapshot, refreshed when the stamp moves.
@@ -274,10 +437,14 @@ mod tests {
     }
 
     fn snap(seq: u64, hosts: usize) -> Vec<u8> {
+        snap_by("c", seq, hosts)
+    }
+
+    fn snap_by(collector: &str, seq: u64, hosts: usize) -> Vec<u8> {
         Snapshot {
             version: SNAPSHOT_VERSION,
             seq,
-            collector: "c".into(),
+            collector: collector.into(),
             taken_at_ms: 1000,
             hosts: (0..hosts)
                 .map(|i| HostState {
@@ -360,6 +527,123 @@ mod tests {
         );
         let (v, r) = cache.refresh(&c, &s);
         assert_eq!((r, v.unwrap().hosts.len()), (Refresh::Decoded, 4));
+    }
+
+    fn hosts_in_view(s: &MemorySharedData, c: &Config) -> usize {
+        FleetCache::default().refresh(c, s).0.unwrap().hosts.len()
+    }
+
+    #[test]
+    fn a_second_collector_is_refused_until_the_owner_falls_silent() {
+        let c = cfg();
+        assert_eq!(c.ingest.as_ref().unwrap().owner_lease_ms, 2000);
+        let s = MemorySharedData::default();
+        assert_eq!(
+            store(&c, &s, &snap_by("a", 10, 4), 1000),
+            Outcome::Accepted { seq: 10 }
+        );
+        // b pushes newer seqs with another view: refused while a pushes.
+        let o = store(&c, &s, &snap_by("b", 11, 2), 1500);
+        assert_eq!(
+            o,
+            Outcome::Conflict {
+                owner: "a".into(),
+                pushed: "b".into(),
+                silent_ms: 500,
+                lease_ms: 2000
+            }
+        );
+        assert_eq!(o.status(), 409);
+        assert_eq!(o.counter(), Some(Counter::IngestConflict));
+        assert!(o.body().unwrap().contains("owns this gateway's snapshot"));
+        assert_eq!(
+            store(&c, &s, &snap_by("a", 12, 4), 2500),
+            Outcome::Accepted { seq: 12 }
+        );
+        assert_eq!(hosts_in_view(&s, &c), 4);
+        // 1999 ms after a's last push: still a's.
+        assert!(matches!(
+            store(&c, &s, &snap_by("b", 13, 2), 4499),
+            Outcome::Conflict {
+                silent_ms: 1999,
+                ..
+            }
+        ));
+        assert_eq!(hosts_in_view(&s, &c), 4);
+        // a silent for the lease: b takes over, and a is now the other one.
+        let o = store(&c, &s, &snap_by("b", 14, 2), 4500);
+        assert_eq!(
+            o,
+            Outcome::TookOver {
+                seq: 14,
+                from: "a".into(),
+                silent_ms: 2000
+            }
+        );
+        assert_eq!(
+            (o.status(), o.counter()),
+            (204, Some(Counter::IngestAccepted))
+        );
+        assert_eq!(hosts_in_view(&s, &c), 2);
+        assert!(matches!(
+            store(&c, &s, &snap_by("a", 15, 4), 4600),
+            Outcome::Conflict { .. }
+        ));
+        assert_eq!(
+            store(&c, &s, &snap_by("b", 16, 2), 4700),
+            Outcome::Accepted { seq: 16 }
+        );
+    }
+
+    #[test]
+    fn a_lease_of_zero_keeps_the_newest_push_from_anyone() {
+        let c = Config::from_json(
+            br#"{"role":"ingest","ingest":{"token":"0123456789abcdef","ownerLeaseMs":0}}"#,
+        )
+        .unwrap();
+        let s = MemorySharedData::default();
+        assert_eq!(
+            store(&c, &s, &snap_by("a", 1, 4), 10),
+            Outcome::Accepted { seq: 1 }
+        );
+        assert_eq!(
+            store(&c, &s, &snap_by("b", 2, 2), 11),
+            Outcome::Accepted { seq: 2 }
+        );
+        assert_eq!(hosts_in_view(&s, &c), 2);
+        let e = Config::from_json(
+            br#"{"role":"ingest","ingest":{"token":"0123456789abcdef","ownerLeaseMs":3600001}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "ingest.ownerLeaseMs");
+    }
+
+    #[test]
+    fn a_refused_conflicting_push_does_not_renew_the_lease_nor_move_seq() {
+        let c = cfg();
+        let s = MemorySharedData::default();
+        store(&c, &s, &snap_by("a", 5, 3), 1);
+        // An old seq from another collector is stale first.
+        assert!(matches!(
+            store(&c, &s, &snap_by("b", 4, 1), 2),
+            Outcome::Stale {
+                stored: 5,
+                pushed: 4
+            }
+        ));
+        // b keeps pushing during a's lease; none of it counts as a's or b's.
+        for t in (100..2001).step_by(250) {
+            assert!(matches!(
+                store(&c, &s, &snap_by("b", 100 + t, 1), t),
+                Outcome::Conflict { .. }
+            ));
+        }
+        let (v, _) = FleetCache::default().refresh(&c, &s);
+        assert_eq!(v.unwrap().seq, 5);
+        assert!(matches!(
+            store(&c, &s, &snap_by("b", 3000, 1), 2001),
+            Outcome::TookOver { .. }
+        ));
     }
 
     #[test]
