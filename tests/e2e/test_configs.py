@@ -289,6 +289,9 @@ def test_local_stack_invariants():
     assert policy["name"] == "envoy.load_balancing_policies.override_host"
     assert policy["typed_config"]["override_host_sources"] == [{"header": pc["destinationHeader"]}]
     assert _route(cfg)["retry_policy"]["num_retries"] == pc["fallbacks"]
+    # A replica's 503 goes on to the fallbacks (test_routing.py, with a real Envoy).
+    assert 503 in _route(cfg)["retry_policy"].get("retriable_status_codes", [])
+    assert "retriable-status-codes" in _route(cfg)["retry_policy"]["retry_on"].split(",")
     # The wasm runs before the router.
     names = [f["name"] for f in next(d["http_filters"] for d in harness.iter_dicts(cfg) if "http_filters" in d)]
     assert names.index(harness.WASM_FILTER) < names.index("envoy.filters.http.router")

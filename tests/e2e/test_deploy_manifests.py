@@ -312,6 +312,28 @@ def proto_merge(dst: dict, src: dict) -> dict:
     return dst
 
 
+def assert_503_is_retried(policy: dict) -> None:
+    """A replica that just went bad answers 503: the route sends the
+    request on to the fallbacks (tests/e2e/test_routing.py checks it with a
+    real Envoy)."""
+    assert "retriable-status-codes" in policy["retry_on"].split(","), policy
+    assert 503 in policy.get("retriable_status_codes", []), policy
+    for t in ("connect-failure", "refused-stream", "reset"):
+        assert t in policy["retry_on"].split(","), policy
+
+
+def istio_retry_policy(retries: dict) -> dict:
+    """A VirtualService's retries as Istio translates them: numbers in
+    retryOn become Envoy's retriable-status-codes."""
+    on = [t.strip() for t in retries["retryOn"].split(",") if t.strip()]
+    codes = [int(t) for t in on if t.isdigit()]
+    triggers = [t for t in on if not t.isdigit()] + (["retriable-status-codes"] if codes else [])
+    policy = {"retry_on": ",".join(triggers), "num_retries": retries["attempts"]}
+    if codes:
+        policy["retriable_status_codes"] = codes
+    return policy
+
+
 def istio_bootstrap(wasm: Path | None) -> dict:
     """What the gateway's Envoy runs: Istio's listener, route and cluster for
     gateway.yaml (rebuilt with the fields Istio sets that matter here), with
@@ -336,7 +358,7 @@ def istio_bootstrap(wasm: Path | None) -> dict:
                 "routes": [{"match": {"prefix": "/"}, "route": {
                     "cluster": cluster_name,
                     "timeout": vs["spec"]["http"][0]["timeout"],
-                    "retry_policy": {"retry_on": retries["retryOn"], "num_retries": retries["attempts"]},
+                    "retry_policy": istio_retry_policy(retries),
                 }}],
             }]},
             "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": ROUTER_TYPE}}],
@@ -426,6 +448,7 @@ def test_istio_consistency():
     assert names == ["kvroute-router", "envoy.filters.http.router"]
     route = next(d["route"] for d in harness.iter_dicts(gateway) if isinstance(d.get("route"), dict))
     assert route["retry_policy"]["num_retries"] == rc["fallbacks"]
+    assert_503_is_retried(route["retry_policy"])
     cluster = cfg["static_resources"]["clusters"][0]
     policy = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]
     assert policy["name"] == OVERRIDE_HOST
@@ -545,9 +568,12 @@ def eg_generated(wasm: Path | None) -> tuple[list[dict], list[dict]]:
                                             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"}}}]},
                                     }}}]}
                             if "retry" in b["spec"]:
+                                retry = b["spec"]["retry"]
                                 action["retry_policy"] = {
-                                    "retry_on": ",".join(b["spec"]["retry"]["retryOn"]["triggers"]),
-                                    "num_retries": b["spec"]["retry"]["numRetries"]}
+                                    "retry_on": ",".join(retry["retryOn"]["triggers"]),
+                                    "num_retries": retry["numRetries"]}
+                                if retry["retryOn"].get("httpStatusCodes"):
+                                    action["retry_policy"]["retriable_status_codes"] = retry["retryOn"]["httpStatusCodes"]
                     clusters.append(cluster)
                     route["route"] = action
                 else:
@@ -672,6 +698,7 @@ def test_envoy_gateway_patches_do_what_they_say():
     assert ingest["per_connection_buffer_limit_bytes"] > ic["ingest"]["maxBytes"]
     route = next(d["route"] for d in harness.iter_dicts(gateway) if isinstance(d.get("route"), dict))
     assert route["retry_policy"]["num_retries"] == rc["fallbacks"]
+    assert_503_is_retried(route["retry_policy"])
     policy = clusters[0]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
     assert policy["typed_config"]["override_host_sources"] == [{"header": rc["destinationHeader"]}]
     # Both policies pull the same image; neither fails open.

@@ -203,6 +203,35 @@ def test_fallback_when_primary_is_down(stack_factory, wasm_path):
     assert hit_dead > 0, "no session had the dead host as primary; the test proved nothing"
 
 
+def test_a_replicas_503_goes_to_the_fallback(stack_factory, wasm_path):
+    """A replica that just went bad answers 503 before any snapshot says so:
+    the shipped route retries on the next address of the destination header,
+    and no client sees the 503. Other 5xx are passed through."""
+    stack = stack_factory(replicas=4, concurrency=2)
+    bad = stack.live_hosts[1]
+    stack.replica_control(bad, answer_status=503)
+    hit_bad = 0
+    for s in range(60):
+        r = send(stack.gateway_url, CHAT, json_body=chat_body(user_text="x"), session=f"r503-{s}")
+        assert r.status == 200 and r.decided_host in stack.hosts, r.describe()
+        assert r.served_by != bad, r.describe()
+        if r.decided_host == bad:
+            hit_bad += 1
+            assert r.served_by == r.destination[1], r.describe()
+        else:
+            assert r.served_by == r.decided_host, r.describe()
+    assert hit_bad > 0, "no session had the 503ing replica as primary; the test proved nothing"
+    # A 500 is not retried: it reaches the client from the replica itself.
+    stack.replica_control(bad, answer_status=500)
+    statuses = Counter()
+    for s in range(60):
+        r = send(stack.gateway_url, CHAT, json_body=chat_body(user_text="x"), session=f"r503-{s}")
+        statuses[r.status] += 1
+        if r.status == 500:
+            assert r.served_by == bad, r.describe()
+    assert statuses[500] == hit_bad, statuses
+
+
 # ---------------------------------------------------------- spoofed header
 
 

@@ -29,7 +29,9 @@ Three paths are the engine's own, as a scraper sees them (vLLM's names):
 - ``GET /_control``: the replica's state and request counts as JSON;
   ``POST /_control`` with a JSON object changes the state, e.g.
   ``{"ready": false}``, ``{"kv": 0.95, "waiting": 20}``,
-  ``{"models": ["model-a"]}``, ``{"reset_counts": true}``.
+  ``{"models": ["model-a"]}``, ``{"answer_status": 503}`` (inference
+  requests are answered with that status, the same JSON body),
+  ``{"reset_counts": true}``.
 
 State (defaults): ready true, kv 0.0, waiting 0, running 0, models
 ["test-model"] (an empty list exports no model_name label), block_size 16,
@@ -72,6 +74,9 @@ DEFAULT_STATE: dict[str, Any] = {
     "models": [DEFAULT_MODEL],
     "block_size": 16,
     "num_gpu_blocks": 8192,
+    # Status of the answers to inference requests (not /health, /metrics,
+    # /_control): 200, or e.g. 503 for a replica that went bad.
+    "answer_status": 200,
 }
 
 
@@ -98,6 +103,10 @@ def validate_state_update(update: Any) -> dict[str, Any]:
         elif key in ("waiting", "running", "block_size", "num_gpu_blocks"):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise StateError(f"{key}: expected a non-negative integer")
+            out[key] = value
+        elif key == "answer_status":
+            if isinstance(value, bool) or not isinstance(value, int) or not 200 <= value <= 599:
+                raise StateError("answer_status: expected an HTTP status from 200 to 599")
             out[key] = value
         elif key == "models":
             if not isinstance(value, list) or not all(isinstance(m, str) and m for m in value):
@@ -240,10 +249,11 @@ class ReplicaHandler(BaseHTTPRequestHandler):
                     time.sleep(min(max(int(delay), 0), MAX_DELAY_MS) / 1000.0)
                 except ValueError:
                     pass
-            models = self.server.snapshot_state()["models"]
+            state = self.server.snapshot_state()
+            models = state["models"]
             dest_values = self.headers.get_all(DESTINATION_HEADER) or []
             self._send(
-                200,
+                state["answer_status"],
                 {
                     "served_by": self.server.replica,
                     "method": self.command,
