@@ -655,6 +655,18 @@ class Envoy:
     def stop(self) -> int | None:
         return stop_process(self.proc)
 
+    def kill(self) -> int | None:
+        """SIGKILL: the gateway dies without draining (a node lost, an OOM kill)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+        return self.proc.returncode
+
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -742,6 +754,9 @@ class Stack:
 
     dead_hosts: addresses that are configured (plugin hosts and cluster
     endpoints) but have no listener - to exercise fallbacks.
+    fleet_of: another Stack whose replicas this one fronts: a second gateway
+    (its own Envoy, shared data and ingest listener) on the same fleet. Its
+    replicas are started and stopped by that stack.
     base: the Envoy config to derive from (envoy-config/envoy.yaml by default).
     ingest: keep the base file's ingest listener (on ingest_port, a free one
     by default), with ingest_token (default: the base file's) and
@@ -770,11 +785,16 @@ class Stack:
         ingest_port: int | None = None,
         ingest_token: str | None = None,
         ingest_overrides: dict | None = None,
+        fleet_of: "Stack | None" = None,
     ):
+        self.fleet_of = fleet_of
+        if fleet_of is not None:
+            replica_ports = list(fleet_of.replica_ports)
         base_doc = load_yaml(base)
         base_ingest = embedded_ingest_config(base_doc)
         self.has_ingest = bool(with_wasm and ingest and base_ingest is not None)
-        fixed = [p for p in (replica_ports or []) + [gateway_port, admin_port] if p]
+        own_replicas = [] if fleet_of is not None else (replica_ports or [])
+        fixed = [p for p in own_replicas + [gateway_port, admin_port] if p]
         if self.has_ingest and ingest_port:
             fixed.append(ingest_port)
         if fixed:
@@ -941,7 +961,8 @@ class Stack:
 
     def start(self, timeout: float = 30.0) -> "Stack":
         try:
-            self.upstreams.start()
+            if self.fleet_of is None:
+                self.upstreams.start()
             self.envoy = Envoy(
                 self.envoy_config(),
                 self.workdir,
@@ -961,7 +982,8 @@ class Stack:
             if self.envoy is not None:
                 self.envoy.stop()
         finally:
-            self.upstreams.stop()
+            if self.fleet_of is None:
+                self.upstreams.stop()
             if self._own_workdir and not self.keep_workdir:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -1,0 +1,153 @@
+"""Several gateway replicas in front of one fleet, as behind a Service: two
+real Envoy processes, each with the kvroute filter, its own shared data, its
+own ingest listener and its own kvroute-collector (the sidecar layout of the
+shipped manifests), all on the same four loopback replicas.
+
+kvroute keeps no shared store between gateways. A conversation's replica is
+a function of what every gateway sees alike: the request and the snapshot
+(its home is the rendezvous top of its key among the replicas with
+headroom). The prefix index and the in-flight accounting are per gateway and
+may only confirm that choice. These tests check the behaviour, not timings:
+- turns of each conversation alternate between the gateways and still land
+  on one replica, with the replicas loaded unevenly and one gateway carrying
+  in-flight work the other does not see;
+- a gateway killed mid-run loses only its own in-flight streams, and the
+  other keeps routing every conversation where it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import harness
+from harness import chat_body, filler, send
+from upstream import DELAY_HEADER
+
+CHAT = "/v1/chat/completions"
+TOKEN = "e2e-ingest-token-0123456789abcdef"
+COLLECTOR_INTERVAL_MS = 100
+# Uneven but with headroom everywhere (kvPressure 0.9, queuePressure 32): a
+# short queue on a conversation's replica costs less than recomputing its
+# prompt elsewhere, so "load allows" staying.
+UNEVEN = [dict(kv=0.1, waiting=0), dict(kv=0.45, waiting=1), dict(kv=0.6, waiting=2), dict(kv=0.8, waiting=3)]
+SYSTEM = "You are the assistant of a support desk. " + filler("policy", 1500)
+
+
+def metric(stack: harness.Stack, name: str) -> float:
+    return stack.envoy.kvroute_metrics().get(name, 0.0)
+
+
+def wait_until(pred, timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def two_gateways(stack_factory, wasm_path, collector_binary):
+    a = stack_factory(replicas=4, concurrency=2, ingest_token=TOKEN)
+    b = stack_factory(fleet_of=a, concurrency=2, ingest_token=TOKEN)
+    assert a.live_hosts == b.live_hosts and a.gateway_url != b.gateway_url
+    for host, load in zip(a.live_hosts, UNEVEN):
+        a.replica_control(host, ready=True, running=2, models=["test-model"], **load)
+    for gw, name in ((a, "gw-a"), (b, "gw-b")):
+        gw.start_collector(binary=collector_binary, interval_ms=COLLECTOR_INTERVAL_MS, collector_id=name)
+    for gw in (a, b):
+        wait_until(lambda gw=gw: metric(gw, "kvroute_ingest_accepted_total") >= 2, 10.0,
+                   f"{gw.gateway_url}'s collector pushing")
+        wait_until(lambda gw=gw: metric(gw, "kvroute_fleet_hosts") == 4, 5.0, "four replicas in the snapshot")
+    return a, b
+
+
+def turns(conversation: int, n: int) -> list[list[dict]]:
+    """The growing message lists a chat client re-sends: a shared system
+    prompt, a first question of the conversation's own, then follow-ups."""
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"conversation {conversation}: " + filler(f"case-{conversation}", 700)}]
+    out = []
+    for t in range(n):
+        if t:
+            messages.append({"role": "assistant", "content": f"answer {t} " * 20})
+            messages.append({"role": "user", "content": f"follow-up {t} of conversation {conversation}"})
+        out.append(list(messages))
+    return out
+
+
+def hold_in_flight(gw: harness.Stack, n: int, delay_ms: int, tag: str) -> list:
+    """n requests that the replicas hold for delay_ms, sent through gw only
+    (the other gateway does not see them in flight). Returns the futures."""
+    pool = ThreadPoolExecutor(max_workers=n)
+    futures = [pool.submit(send, gw.gateway_url, CHAT, json_body=chat_body(user_text=f"{tag} long job {i}"),
+                           session=f"{tag}-{i}", headers={DELAY_HEADER: str(delay_ms)},
+                           timeout=delay_ms / 1000 + 10)
+               for i in range(n)]
+    pool.shutdown(wait=False)
+    return futures
+
+
+def conversation_split(served: dict[str, list[str]]) -> float:
+    """The share of turns served by their conversation's most frequent replica."""
+    total = sum(len(v) for v in served.values())
+    return sum(Counter(v).most_common(1)[0][1] for v in served.values()) / total
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["session-header", "prefix-key"])
+def test_alternating_gateways_keep_each_conversation_on_one_replica(two_gateways, keyed):
+    a, b = two_gateways
+    held = hold_in_flight(a, 6, 4000, f"held-{keyed}")
+    served: dict[str, list[str]] = defaultdict(list)
+    for t in range(6):
+        for c in range(20):
+            gw = (a, b)[(t + c) % 2]
+            name = f"alt-{keyed}-{c}"
+            body = chat_body(turns(c, t + 1)[t])
+            r = send(gw.gateway_url, CHAT, json_body=body, session=name if keyed else None)
+            assert r.status == 200, r.describe()
+            assert r.served_by == r.decided_host, r.describe()
+            served[name].append(r.served_by)
+    share = conversation_split(served)
+    replicas = Counter(v[0] for v in served.values())
+    moved = {k: v for k, v in served.items() if len(set(v)) > 1}
+    print(f"\n[gateways] {'session header' if keyed else 'prefix key'}: {share:.1%} of 120 turns "
+          f"on their conversation's replica; first turns per replica {dict(replicas)}; moved: {moved}")
+    assert share >= 0.95, f"{share:.1%}; moved: {moved}"
+    # Not everything on one replica: the choice still spreads conversations.
+    assert len(replicas) >= 2, replicas
+    for f in held:
+        assert f.result().status == 200
+
+
+def test_a_killed_gateway_loses_only_its_own_streams(two_gateways):
+    a, b = two_gateways
+    homes = {}
+    for c in range(12):
+        r = send(a.gateway_url, CHAT, json_body=chat_body(turns(c, 1)[0]), session=f"kill-{c}")
+        assert r.status == 200, r.describe()
+        homes[c] = r.served_by
+    degraded_before = metric(b, "kvroute_decisions_degraded_total")
+    on_a = hold_in_flight(a, 4, 5000, "on-a")
+    on_b = hold_in_flight(b, 4, 5000, "on-b")
+    time.sleep(0.5)
+    a.envoy.kill()
+    # The other gateway keeps routing, every conversation where it was.
+    for t in range(1, 4):
+        for c in range(12):
+            r = send(b.gateway_url, CHAT, json_body=chat_body(turns(c, t + 1)[t]), session=f"kill-{c}")
+            assert r.status == 200, r.describe()
+            assert r.served_by == homes[c], f"conversation {c} moved after the other gateway died: {r.describe()}"
+    assert [f.result().status for f in on_b] == [200] * 4
+    lost = 0
+    for f in on_a:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001 - the stream was cut with the process
+            lost += 1
+    assert lost == 4, "the killed gateway's streams should have been cut"
+    assert metric(b, "kvroute_decisions_degraded_total") == degraded_before
