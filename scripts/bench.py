@@ -23,6 +23,15 @@ Routers (--routers, comma-separated, in this order by default):
   vllm-consistent-hash  vllm-router, policy consistent_hash
   vllm-sticky-least-loaded  vllm-router, policy sticky_least_loaded
   kvroute               Envoy + the kvroute filter + kvroute-collector (fleet state)
+With --gateways K[,K...], every router runs as K independent instances
+(kvroute: K Envoys, each with its own shared data and its own collector, the
+sidecar layout of the shipped manifests; Envoy's policies: K Envoys; the
+peers: K processes) behind one front Envoy that spreads each request round
+robin over them, as a Kubernetes Service would (no retries at the front).
+The same front stands in front of K = 1, so every figure pays the same hop.
+The report's "conversation split" column is the share of each session's
+requests served by its most frequent engine.
+
 Peers are run from their own virtualenv (.venv-peers, from the pinned
 bench/requirements-peers.txt, installed by `make bench-tools`); a peer that is not installed is skipped with a note,
 unless --require-peers.
@@ -257,7 +266,7 @@ def envoy_plain(name: str, fleet: Fleet, workdir: Path, local: bool = False) -> 
 
 
 def kvroute_router(fleet: Fleet, workdir: Path, collector_ms: int, local: bool = False,
-                   name: str = "kvroute", overrides: dict | None = None) -> Router:
+                   name: str = "kvroute", overrides: dict | None = None, instance: int = 0) -> Router:
     gw, admin, ingest = router_ports(local)
     plugin = harness.plugin_config_for(fleet.addresses, {"explainHeader": False, **(overrides or {})})
     cfg = harness.build_envoy_config(gateway_port=gw, admin_port=admin, endpoints=fleet.addresses,
@@ -265,7 +274,7 @@ def kvroute_router(fleet: Fleet, workdir: Path, collector_ms: int, local: bool =
     envoy = harness.Envoy(cfg, workdir, concurrency=2, log_level="warning").start()
     token = harness.embedded_ingest_config(cfg)["ingest"]["token"]
     collector = harness.Collector(engines=fleet.addresses, gateways=[f"http://127.0.0.1:{ingest}"], token=token,
-                                  workdir=workdir, interval_ms=collector_ms, collector_id="kvroute-bench",
+                                  workdir=workdir, interval_ms=collector_ms, collector_id=f"kvroute-bench-{instance}",
                                   metrics_port=LOCAL["collector"] if local else None, log_level="warn").start()
     settings = f"plugin config overrides {json.dumps(overrides)}" if overrides else "plugin defaults"
     setup = (f"Envoy 1.40 + kvroute ({settings}; fleet state from kvroute-collector scraping every "
@@ -314,14 +323,72 @@ def peer_router(name: str, fleet: Fleet, workdir: Path) -> Router:
     return router
 
 
-def start_router(name: str, fleet: Fleet, workdir: Path, args) -> Router:
+def start_router(name: str, fleet: Fleet, workdir: Path, args, instance: int = 0) -> Router:
     if name.startswith("envoy-"):
         return envoy_plain(name, fleet, workdir, args.local_stack)
     if name == "kvroute":
-        return kvroute_router(fleet, workdir, args.collector_ms, args.local_stack)
+        return kvroute_router(fleet, workdir, args.collector_ms, args.local_stack, instance=instance)
     if name in args.variants:
-        return kvroute_router(fleet, workdir, args.collector_ms, args.local_stack, name, args.variants[name])
+        return kvroute_router(fleet, workdir, args.collector_ms, args.local_stack, name, args.variants[name],
+                              instance=instance)
     return peer_router(name, fleet, workdir)
+
+
+def front_envoy(instances: list[Router], workdir: Path) -> harness.Envoy:
+    """A plain Envoy spreading each request round robin over the router
+    instances, with no retries: what a Kubernetes Service in front of K
+    gateway pods does (per request here; kube-proxy spreads connections)."""
+    gw, admin = harness.free_ports(2)
+    targets = [r.url.removeprefix("http://").rstrip("/") for r in instances]
+    cfg = harness.build_envoy_config(gateway_port=gw, admin_port=admin, endpoints=targets, wasm=None)
+    cluster = [c for c in cfg["static_resources"]["clusters"] if c["name"] == harness.CLUSTER_NAME][0]
+    cluster.pop("load_balancing_policy", None)
+    cluster["lb_policy"] = "ROUND_ROBIN"
+    listener = [l for l in cfg["static_resources"]["listeners"] if l["name"] == harness.LISTENER_NAME][0]
+    route = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0][
+        "routes"][0]["route"]
+    route.pop("retry_policy", None)
+    workdir.mkdir(parents=True, exist_ok=True)
+    return harness.Envoy(cfg, workdir, concurrency=2, log_level="warning").start()
+
+
+@dataclass
+class Deployment:
+    """What one run replays against: one router, or K instances behind a front."""
+
+    url: str
+    setup: str
+    instances: list[Router]
+    front: harness.Envoy | None = None
+
+    def stop(self) -> None:
+        if self.front is not None:
+            self.front.stop()
+        for r in self.instances:
+            r.stop()
+
+
+def deploy(name: str, fleet: Fleet, workdir: Path, args, gateways: int | None) -> Deployment:
+    if gateways is None:
+        r = start_router(name, fleet, workdir, args)
+        return Deployment(url=r.url, setup=r.setup, instances=[r])
+    instances: list[Router] = []
+    try:
+        for i in range(gateways):
+            wd = workdir / f"gateway-{i}"
+            wd.mkdir(parents=True, exist_ok=True)
+            instances.append(start_router(name, fleet, wd, args, instance=i))
+        for r in instances:
+            if r.procs:
+                wait_workers(r.url, len(fleet.addresses), name)
+        front = front_envoy(instances, workdir / "front")
+    except BaseException:
+        for r in instances:
+            r.stop()
+        raise
+    setup = (f"{gateways} independent instance(s) behind a round-robin front Envoy (per request, no retries); "
+             f"each: {instances[0].setup}")
+    return Deployment(url=front.gateway_url, setup=setup, instances=instances, front=front)
 
 
 # ------------------------------------------------------------------ main
@@ -367,10 +434,23 @@ def parse_args(argv):
     p.add_argument("--kvroute-variant", action="append", default=[], metavar="NAME=JSON",
                    help="an extra router: kvroute with these plugin config overrides (merged one level deep), "
                         "reported as kvroute-NAME, e.g. 'kv1={\"fleet\": {\"wKv\": 1}}' (repeatable)")
+    p.add_argument("--gateways", default=None, metavar="K[,K...]",
+                   help="run K independent instances of every router behind a round-robin front Envoy "
+                        "(like a Service), once per K, e.g. 1,3; without it each router runs once, no front")
     p.add_argument("--local-stack", action="store_true",
                    help="use the local stack's fixed ports (engines 8001.., gateway 10000, admin 9901, "
                         "ingest 10001, collector metrics 9102) instead of free ones")
     args = p.parse_args(argv)
+    args.gateway_counts = [None]
+    if args.gateways is not None:
+        try:
+            args.gateway_counts = [int(k) for k in args.gateways.split(",") if k.strip()]
+        except ValueError:
+            p.error(f"--gateways {args.gateways!r}: expected K[,K...], e.g. 1,3")
+        if not args.gateway_counts or any(k < 1 or k > 8 for k in args.gateway_counts):
+            p.error(f"--gateways {args.gateways!r}: each K from 1 to 8")
+        if args.local_stack:
+            p.error("--gateways cannot be used with --local-stack (its ports are fixed)")
     args.variants = {}
     for v in args.kvroute_variant:
         label, _, text = v.partition("=")
@@ -426,50 +506,58 @@ def main(argv=None) -> int:
     run_files: list[Path] = []
     skipped: list[str] = []
     failed: list[str] = []
+    runs = [(name, k) for k in args.gateway_counts for name in routers]
     try:
-        for name in routers:
-            wd = work / name
+        for name, k in runs:
+            label = name if k is None else f"{name}-k{k}"
+            if any(s.startswith(f"{name}:") for s in skipped):
+                continue
+            wd = work / label
             wd.mkdir()
             fleet = Fleet(args.engines, args.time_scale, args.seed, wd, args.sim_arg,
                           base_port=LOCAL["engines"] if args.local_stack else 0).start()
             router = None
             try:
                 try:
-                    router = start_router(name, fleet, wd, args)
+                    router = deploy(name, fleet, wd, args, k)
                 except BenchError as exc:
                     if "not installed" in str(exc) and not args.require_peers:
                         log(f"- {name}: skipped ({exc})")
                         skipped.append(f"{name}: {exc}")
                         continue
                     raise
-                if router.procs:
+                if k is None and router.instances[0].procs:
                     wait_workers(router.url, len(fleet.addresses), name)
                 probe_chat(router.url)
                 # The probe left a trace in one engine's cache and counters:
                 # start every router from the same clean fleet.
                 for u in fleet.urls:
                     urllib.request.urlopen(urllib.request.Request(u + "/_sim/reset", method="POST"), timeout=5).read()
-                out = runs_dir / f"{name}.json"
-                log(f"- {name}: {router.setup}")
+                out = runs_dir / f"{label}.json"
+                log(f"- {label}: {router.setup}")
                 t0 = time.monotonic()
                 rc = subprocess.run([
-                    str(BENCH), "replay", *wl, "--router", name, "--setup", router.setup, "--target", router.url,
+                    str(BENCH), "replay", *wl, "--router", label, "--setup", router.setup, "--target", router.url,
+                    "--gateways", str(k or 1),
                     "--engines", ",".join(fleet.urls), "--model", MODEL, "--time-scale", str(args.time_scale),
                     "--session-header", SESSION_HEADER, "--out", str(out),
                 ]).returncode
                 if rc != 0:
                     raise BenchError(f"kvroute-bench replay exited with {rc}")
                 log(f"  ({time.monotonic() - t0:.0f} s real)")
-                if router.envoy is not None:
+                for i, inst in enumerate(router.instances):
+                    if inst.envoy is None:
+                        continue
                     # Envoy's own view of the run (kvroute_* decision counters, upstream stats).
+                    stats = runs_dir / (f"{label}.envoy-stats.txt" if k is None else f"{label}.gateway-{i}.envoy-stats.txt")
                     try:
-                        (runs_dir / f"{name}.envoy-stats.txt").write_text(router.envoy.prometheus())
+                        stats.write_text(inst.envoy.prometheus())
                     except OSError:
                         pass
                 run_files.append(out)
             except (BenchError, harness.HarnessError) as exc:
-                log(f"- {name}: FAILED: {exc}")
-                failed.append(name)
+                log(f"- {label}: FAILED: {exc}")
+                failed.append(label)
             finally:
                 if router is not None:
                     router.stop()

@@ -602,6 +602,15 @@ def svg_plot(path: Path, title: str, recs: list[dict], t0: float, t_end: float, 
     path.write_text("\n".join(out) + "\n")
 
 
+def shipped_retries() -> str:
+    """The shipped route's retry policy, as the campaign's Envoy runs it."""
+    cfg = harness.load_yaml()
+    route = next(d["route"] for d in harness.iter_dicts(cfg) if isinstance(d.get("route"), dict) and "cluster" in d["route"])
+    rp = route.get("retry_policy", {})
+    codes = rp.get("retriable_status_codes")
+    return f"{rp.get('retry_on', 'none')}{f' {codes}' if codes else ''} x{rp.get('num_retries', 1)}"
+
+
 # ------------------------------------------------------------------ one fault
 
 
@@ -728,6 +737,7 @@ def analyse(run: Run, recs: list[dict], notes: dict, args) -> dict:
             "no_hosts": mon.envoy_delta("kvroute_decisions_no_hosts_total"),
             "degraded": mon.envoy_delta("kvroute_decisions_degraded_total"),
             "ingest_stale": mon.envoy_delta("kvroute_ingest_stale_total"),
+            "ingest_conflicts": mon.envoy_delta("kvroute_ingest_conflicts_total"),
             "ingest_accepted": mon.envoy_delta("kvroute_ingest_accepted_total"),
         },
     }
@@ -1069,7 +1079,7 @@ def main(argv=None) -> int:
         f"Fleet: 4 x kvroute-sim --mode engine, the Llama-3.1-8B-on-H100 model with every step cost x4 "
         f"({' '.join(SIM_ARGS)}), time scale {args.time_scale:g} (modelled time = real time at 1).",
         "Gateway: Envoy 1.40 (--concurrency 2) + kvroute (shipped defaults, explainHeader on), route retries "
-        "connect-failure,refused-stream,reset x2 (envoy-config/envoy.yaml); kvroute-collector at its defaults "
+        f"{shipped_retries()} (envoy-config/envoy.yaml); kvroute-collector at its defaults "
         "(scrape every 250 ms, 200 ms timeout, 5 s max backoff).",
         f"Load: kvroute-bench replay, generated shared-prefix groups ({args.rate:g} requests/s Poisson, 16 groups "
         "x 8 users, 6144-token prefix per group, ~64-token questions, ~128-token answers, x-session-id "

@@ -413,6 +413,10 @@ struct ReplayArgs {
     /// One line on how the router was configured (in the report).
     #[arg(long, default_value = "")]
     setup: String,
+    /// Independent instances of the router behind --target (in the report;
+    /// the front that spreads requests over them is the caller's).
+    #[arg(long, default_value_t = 1)]
+    gateways: usize,
     /// Base URL of the router.
     #[arg(long)]
     target: String,
@@ -525,7 +529,7 @@ fn run_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
             setup: &a.setup,
             workload: &wl.description,
             time_scale: a.time_scale,
-            gateways: 1,
+            gateways: a.gateways.max(1),
         },
         &replayed,
     );

@@ -31,14 +31,15 @@ pub fn markdown(r: &Report) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| router | TTFT p50 / p95 / p99 (ms) | p95 / p99 over the floor | ITL p50 / p99 (ms) | E2E p50 (ms) | req/s | output tok/s | errors | hit rate | of LRU ceiling | KV spread | preemptions |"
+        "| router | gateways | TTFT p50 / p95 / p99 (ms) | p95 / p99 over the floor | ITL p50 / p99 (ms) | E2E p50 (ms) | req/s | output tok/s | errors | hit rate | of LRU ceiling | conversation split | KV spread | preemptions |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for run in &r.runs {
         let _ = writeln!(
             s,
-            "| {} | {:.0} / {:.0} / {:.0} | {:.1}x / {:.1}x | {:.1} / {:.1} | {:.0} | {:.2} | {:.0} | {} | {} | {} | {:.3} | {:.0} |",
+            "| {} | {} | {:.0} / {:.0} / {:.0} | {:.1}x / {:.1}x | {:.1} / {:.1} | {:.0} | {:.2} | {:.0} | {} | {} | {} | {} | {:.3} | {:.0} |",
             run.router,
+            run.gateways,
             run.ttft_ms.p50,
             run.ttft_ms.p95,
             run.ttft_ms.p99,
@@ -52,6 +53,7 @@ pub fn markdown(r: &Report) -> String {
             run.errors,
             pct(run.hit_rate),
             pct(run.hit_fraction_of_lru),
+            pct(run.conversation_split),
             run.kv_spread_mean,
             run.preemptions,
         );

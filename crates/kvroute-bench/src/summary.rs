@@ -1,6 +1,6 @@
 //! One router's run, reduced to the figures the report compares.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
@@ -106,6 +106,10 @@ pub struct RunSummary {
     /// rerun with a lower `--time-scale`. Always 0 in virtual time.
     #[serde(default)]
     pub sim_lag_fraction: f64,
+    /// The share of completed requests served by their session's most
+    /// frequent engine (1: every conversation stayed on one replica).
+    #[serde(default)]
+    pub conversation_split: f64,
     /// Completed requests per engine (from the simulator's answers).
     pub per_engine_requests: Vec<u64>,
     /// Completed requests per gateway instance.
@@ -120,6 +124,21 @@ pub struct RunSummary {
 
 fn one() -> usize {
     1
+}
+
+/// Share of requests on their session's most used engine.
+fn split_of(by_session: &HashMap<(usize, u64), u64>) -> f64 {
+    let mut top: HashMap<usize, u64> = HashMap::new();
+    let mut total = 0;
+    for (&(session, _), &n) in by_session {
+        let t = top.entry(session).or_insert(0);
+        *t = (*t).max(n);
+        total += n;
+    }
+    if total == 0 {
+        return 0.0;
+    }
+    top.values().sum::<u64>() as f64 / total as f64
 }
 
 /// Counter change of one engine from the first to the last good reading.
@@ -154,6 +173,8 @@ pub struct Done {
     pub completion_tokens: u64,
     pub engine: Option<u64>,
     pub gateway: usize,
+    /// The workload's session (conversation) the request belongs to.
+    pub session: usize,
 }
 
 /// Builds a [`RunSummary`] one request at a time, so that the real-time
@@ -177,6 +198,8 @@ pub struct Tally {
     usage_cached: u64,
     per_engine: Vec<u64>,
     per_gateway: Vec<u64>,
+    /// Completed requests per (session, engine).
+    by_session: HashMap<(usize, u64), u64>,
 }
 
 impl Tally {
@@ -201,6 +224,7 @@ impl Tally {
             usage_cached: 0,
             per_engine: vec![0; engines],
             per_gateway: Vec::new(),
+            by_session: HashMap::new(),
         }
     }
 
@@ -247,6 +271,9 @@ impl Tally {
         }) {
             *slot += 1;
         }
+        if let Some(e) = d.engine {
+            *self.by_session.entry((d.session, e)).or_insert(0) += 1;
+        }
         if self.per_gateway.len() <= d.gateway {
             self.per_gateway.resize(d.gateway + 1, 0);
         }
@@ -290,6 +317,7 @@ impl Tally {
         let floor = percentiles(self.floor_ms.iter().copied());
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
         let duration = duration_s.max(1e-9);
+        let conversation_split = split_of(&self.by_session);
         RunSummary {
             router: run.router.to_owned(),
             setup: run.setup.to_owned(),
@@ -327,6 +355,7 @@ impl Tally {
             kv_mean: if n > 0 { level / n as f64 } else { 0.0 },
             preemptions,
             sim_lag_fraction: lag / duration,
+            conversation_split,
             per_engine_requests: self.per_engine,
             per_gateway_requests: self.per_gateway,
             ttft_quantiles_ms: quantiles(&self.ttft_ms, TTFT_QUANTILES),
@@ -415,6 +444,7 @@ impl RunSummary {
                             .unwrap_or(o.text.len().div_ceil(4) as u64),
                         engine: o.usage.engine,
                         gateway: 0,
+                        session: r.session,
                     },
                     &o.itl_ms,
                 ),

@@ -460,6 +460,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                                     completion_tokens: summary.completion_tokens as u64,
                                     engine: Some(engine as u64),
                                     gateway: f.gateway,
+                                    session: f.session,
                                 },
                                 &f.itl_ms,
                             );
