@@ -334,10 +334,13 @@ def start_router(name: str, fleet: Fleet, workdir: Path, args, instance: int = 0
     return peer_router(name, fleet, workdir)
 
 
-def front_envoy(instances: list[Router], workdir: Path) -> harness.Envoy:
+def front_envoy(instances: list[Router], workdir: Path, retry_connect_failures: bool = False) -> harness.Envoy:
     """A plain Envoy spreading each request round robin over the router
     instances, with no retries: what a Kubernetes Service in front of K
-    gateway pods does (per request here; kube-proxy spreads connections)."""
+    gateway pods does (per request here; kube-proxy spreads connections).
+    retry_connect_failures: retry, once and on another instance, a request
+    whose connection was refused (it never reached a gateway), as a load
+    balancer that health-checks its targets would avoid a dead one."""
     gw, admin = harness.free_ports(2)
     targets = [r.url.removeprefix("http://").rstrip("/") for r in instances]
     cfg = harness.build_envoy_config(gateway_port=gw, admin_port=admin, endpoints=targets, wasm=None)
@@ -348,6 +351,12 @@ def front_envoy(instances: list[Router], workdir: Path) -> harness.Envoy:
     route = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0][
         "routes"][0]["route"]
     route.pop("retry_policy", None)
+    if retry_connect_failures:
+        route["retry_policy"] = {
+            "retry_on": "connect-failure,refused-stream", "num_retries": 1,
+            "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
+        }
     workdir.mkdir(parents=True, exist_ok=True)
     return harness.Envoy(cfg, workdir, concurrency=2, log_level="warning").start()
 

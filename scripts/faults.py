@@ -29,6 +29,10 @@ The faults (--faults, comma-separated, this order by default):
   join       a 5th engine, in the Envoy cluster, the plugin's hosts and the
              collector's list from the start, is started at --fault-at with
              /health 503 for --fault-for (warming up), then ready
+  gateway    two gateways (Envoy + kvroute, each with its own collector)
+             behind a round-robin front Envoy that retries only refused
+             connections; gateway A gets SIGKILL at --fault-at and is
+             started again (empty shared data) --fault-for later
 
 Per fault: requests sent vs answered, errors by class (and whether they
 were in flight at the fault), how routing adapted (the fault's own
@@ -77,7 +81,7 @@ BENCH = bench.BENCH
 PINNED: dict[str, Path] = {}
 MODEL = bench.MODEL
 QUIET_FILE = Path("/tmp/kvroute-quiet")
-ALL_FAULTS = ["die", "stall", "error", "collector", "conflict", "reload", "join"]
+ALL_FAULTS = ["die", "stall", "error", "collector", "conflict", "reload", "join", "gateway"]
 VICTIM = 1  # the engine that dies, stalls or errs
 
 # The engines: the simulator's H100 model with every step cost x4 (a GPU
@@ -208,6 +212,10 @@ class Stack:
     token: str = ""
     ingest_url: str = ""
     cfg: dict | None = None
+    # The gateway fault: a second gateway and the front that spreads over both.
+    gateways: int = 1
+    second: harness.Envoy | None = None
+    front: harness.Envoy | None = None
 
     def start(self) -> "Stack":
         self.work.mkdir(parents=True, exist_ok=True)
@@ -224,7 +232,29 @@ class Stack:
         self.token = harness.embedded_ingest_config(self.cfg)["ingest"]["token"]
         self.ingest_url = f"http://{harness.LOCALHOST}:{ingest}"
         self.start_collector("faults-a", self.hosts)
+        if self.gateways == 2:
+            gw2, admin2, ingest2 = harness.free_ports(3)
+            cfg2 = harness.build_envoy_config(gateway_port=gw2, admin_port=admin2, endpoints=self.hosts,
+                                              plugin_config=plugin, ingest_port=ingest2, wasm=binary("wasm"))
+            self.second = harness.Envoy(cfg2, self.work / "envoy-b", concurrency=2, log_level="warning").start()
+            (port,) = harness.free_ports(1)
+            self.collectors.append(harness.Collector(
+                engines=self.hosts, gateways=[f"http://{harness.LOCALHOST}:{ingest2}"], token=self.token,
+                binary=binary("collector"), workdir=self.work / "faults-b-gw", interval_ms=self.collector_ms,
+                collector_id="faults-b-gw", metrics_port=port, log_level="info").start())
+            gateways = [bench.Router(name="a", setup="", url=self.envoy.gateway_url),
+                        bench.Router(name="b", setup="", url=self.second.gateway_url)]
+            self.front = bench.front_envoy(gateways, self.work / "front", retry_connect_failures=True)
         return self
+
+    def restart_gateway(self) -> HotEnvoy:
+        """Gateway A again, as a new process (a replaced pod: empty shared data)."""
+        assert self.cfg is not None
+        self.old_envoys.append(self.envoy)
+        self.envoy = HotEnvoy(self.cfg, self.work / f"envoy-a{len(self.old_envoys)}",
+                              base_id_path=self.work / f"base-id-{len(self.old_envoys)}", concurrency=2,
+                              log_level="warning").start()
+        return self.envoy
 
     def start_collector(self, cid: str, engines: list[str]) -> harness.Collector:
         (port,) = harness.free_ports(1)
@@ -241,6 +271,8 @@ class Stack:
 
     @property
     def gateway_url(self) -> str:
+        if self.front is not None:
+            return self.front.gateway_url
         assert self.envoy is not None
         return self.envoy.gateway_url
 
@@ -266,6 +298,9 @@ class Stack:
             e.stop()
         for p in self.procs:
             harness.stop_process(p)
+        for e in (self.front, self.second):
+            if e is not None:
+                e.stop()
         if self.fleet is not None:
             self.fleet.stop()
 
@@ -693,6 +728,12 @@ def inject(run: Run, args) -> dict:
         rc = old.wait_exit(max(1.0, run.fault_end - time.time()))
         run.event(f"epoch {old.epoch} exited ({rc})" if rc is not None else f"epoch {old.epoch} still running")
         sleep_until(run.fault_end)
+    elif run.name == "gateway":
+        code = st.envoy.kill()
+        run.event(f"gateway A killed (SIGKILL, exit {code}); gateway B and the front go on")
+        sleep_until(run.fault_end)
+        new = st.restart_gateway()
+        run.event(f"gateway A started again (pid {new.proc.pid}, empty shared data)")
     elif run.name == "join":
         port = int(st.extra_hosts[0].rsplit(":", 1)[1])
         p = start_engine(port, args.time_scale, args.seed, int(args.fault_for * 1000), st.work, st.sim_args)
@@ -801,6 +842,17 @@ def analyse(run: Run, recs: list[dict], notes: dict, args) -> dict:
         ad["stale_refused"] = out["envoy"]["ingest_stale"]
         ad["second_collector_pushes_ok"] = max((pushes_ok(s["collectors"].get("faults-b", {}))
                                                 for s in mon.samples if "collectors" in s), default=0)
+    elif run.name == "gateway":
+        def split(rs: list[dict]) -> float | None:
+            by: dict = {}
+            for r in rs:
+                if r["error"] is None and r.get("engine") is not None:
+                    by.setdefault(r["session"], []).append(r["engine"])
+            total = sum(len(v) for v in by.values())
+            return round(sum(max(v.count(e) for e in set(v)) for v in by.values()) / total, 3) if total else None
+        ad["conversation_split"] = {"before": split(before), "during": split(during), "after": split(after)}
+        ad["failed_by_phase"] = {k: sum(1 for r in rs if r["error"] is not None)
+                                 for k, rs in (("before", before), ("during", during), ("after", after))}
     elif run.name == "reload":
         ad["note"] = "shared data (fleet snapshot, prefix index, load table) is per process: the new epoch starts empty"
     elif run.name == "join":
@@ -827,7 +879,8 @@ def run_fault(name: str, args, work: Path, out_dir: Path) -> dict:
     extra = []
     if name == "join":
         extra = [f"{harness.LOCALHOST}:{harness.free_ports(1)[0]}"]
-    stack = Stack(work=wd, time_scale=args.time_scale, seed=args.seed, extra_hosts=extra).start()
+    stack = Stack(work=wd, time_scale=args.time_scale, seed=args.seed, extra_hosts=extra,
+                  gateways=2 if name == "gateway" else 1).start()
     replay = None
     monitor = None
     try:
@@ -890,6 +943,7 @@ TITLES = {
     "conflict": "a second collector without engine 1; stale snapshots",
     "reload": "Envoy hot restart",
     "join": "a 5th engine joins and warms up",
+    "gateway": "one of two gateways killed, then replaced",
 }
 
 
@@ -923,9 +977,15 @@ def adaptation_text(r: dict) -> str:
                 f"after restart +{a.get('first_push_after_restart_s')} s (from the fault)")
     if n == "conflict":
         return (f"share of requests named to engine 1 before/during/after: {a.get('share_named_victim')}; "
-                f"stale pushes answered {r['notes'].get('stale_push_statuses')}")
+                f"stale pushes answered {r['notes'].get('stale_push_statuses')}; the second collector's pushes "
+                f"accepted: {a.get('second_collector_pushes_ok')}, refused as conflicts: "
+                f"{r['envoy'].get('ingest_conflicts', 0):.0f}")
     if n == "reload":
         return "; ".join(label for _, label in r["events"] if "epoch" in label)
+    if n == "gateway":
+        return (f"{r['failed_in_flight_at_fault']} streams in flight on gateway A cut, "
+                f"{r['failed_sent_after_fault']} sent after the kill failed; share of each session's requests on "
+                f"its most used engine before/during/after: {a.get('conversation_split')}")
     if n == "join":
         return (f"{a.get('named_new_before_started')} requests named it before it started "
                 f"({a.get('named_new_before_started_failed')} failed), {a.get('named_new_while_warming')} while "
