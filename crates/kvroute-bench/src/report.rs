@@ -33,7 +33,10 @@ pub fn markdown(r: &Report) -> String {
         s,
         "| router | gateways | TTFT p50 / p95 / p99 (ms) | p95 / p99 over the floor | ITL p50 / p99 (ms) | E2E p50 (ms) | req/s | output tok/s | errors | hit rate | of LRU ceiling | conversation split | KV spread | preemptions |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        s,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for run in &r.runs {
         let _ = writeln!(
             s,
