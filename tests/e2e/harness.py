@@ -157,6 +157,19 @@ def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = Non
     raise HarnessError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+def kill_process(proc: subprocess.Popen | None) -> int | None:
+    """SIGKILL, no grace: the process dies as in a crash. Its exit code."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+    return proc.returncode
+
+
 def stop_process(proc: subprocess.Popen | None, timeout: float = 10.0) -> int | None:
     """SIGTERM, wait, then SIGKILL - this one process, by its PID."""
     if proc is None:
@@ -519,15 +532,7 @@ class Collector:
 
     def kill(self) -> int | None:
         """SIGKILL: the collector dies without a word (a crash, an OOM kill)."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            try:
-                self.proc.kill()
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=10)
-        return self.proc.returncode
+        return kill_process(self.proc)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -657,15 +662,7 @@ class Envoy:
 
     def kill(self) -> int | None:
         """SIGKILL: the gateway dies without draining (a node lost, an OOM kill)."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            try:
-                self.proc.kill()
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=10)
-        return self.proc.returncode
+        return kill_process(self.proc)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
