@@ -52,6 +52,7 @@ BAD_PLUGIN_CONFIGS = [
      ["tokens"], True),
     ("fleet-kv-pressure-over-1", _with(fleet={"kvPressure": 1.5}), ["fleet.kvPressure"], True),
     ("fleet-recompute-weight-negative", _with(fleet={"recomputeWeight": -1}), ["fleet.recomputeWeight"], True),
+    ("fleet-recompute-full-kv-over-one", _with(fleet={"recomputeFullKv": 1.5}), ["fleet.recomputeFullKv"], True),
     ("fleet-stale-after-zero", _with(fleet={"staleAfterMs": 0}), ["fleet.staleAfterMs"], True),
     ("fleet-queue-pressure-zero", _with(fleet={"queuePressure": 0}), ["fleet.queuePressure"], True),
     ("fleet-unknown-field", _with(fleet={"staleAfter": 500}), ["staleAfter"], True),

@@ -87,6 +87,8 @@ pub struct RawFleet {
     pub memory_floor: f64,
     #[serde(default = "defaults::cost_quantum_ms")]
     pub cost_quantum_ms: f64,
+    #[serde(default = "defaults::recompute_full_kv")]
+    pub recompute_full_kv: f64,
     #[serde(default = "defaults::prefix_index_slots")]
     pub prefix_index_slots: u32,
     #[serde(default = "defaults::prefix_ttl_ms")]
@@ -107,6 +109,7 @@ impl Default for RawFleet {
             memory_seconds: defaults::memory_seconds(),
             memory_floor: defaults::memory_floor(),
             cost_quantum_ms: defaults::cost_quantum_ms(),
+            recompute_full_kv: defaults::recompute_full_kv(),
             prefix_index_slots: defaults::prefix_index_slots(),
             prefix_ttl_ms: defaults::prefix_ttl_ms(),
         }
@@ -262,6 +265,18 @@ pub mod defaults {
     pub fn recompute_weight() -> f64 {
         3.0
     }
+    /// Predicted KV use (as a share of a replica's capacity, or its KV
+    /// utilisation where the capacity is unknown) from which its uncached
+    /// tokens carry the whole `recomputeWeight`; below, the weight falls in
+    /// proportion. A prefix computed a second time costs others only where
+    /// memory is in demand (it evicts cached prefixes) and the replica is
+    /// busy. Fleet simulation, 16 replicas: the Mooncake trace runs at about
+    /// 10 % KV and its TTFT p95 went 1903 -> 1625 ms at 0.3 (1617 at 0.5,
+    /// 1755 at 0.2), the chat family at about 50 % (251 -> 243 ms); see
+    /// docs/fleet-state.md. 0 gives the whole weight everywhere.
+    pub fn recompute_full_kv() -> f64 {
+        0.3
+    }
     /// Predicted KV use (as a share of capacity) past which the memory term
     /// of the cost starts to rise.
     pub fn memory_knee() -> f64 {
@@ -370,6 +385,7 @@ pub struct FleetConfig {
     pub memory_floor: f64,
     /// In seconds.
     pub cost_quantum_s: f64,
+    pub recompute_full_kv: f64,
     pub prefix_index_slots: u64,
     pub prefix_ttl_ms: u64,
     /// Shared-data key of the snapshot JSON.
@@ -560,6 +576,7 @@ impl RawConfig {
         let shares = [
             ("fleet.homeCachedShare", f.home_cached_share),
             ("fleet.memoryFloor", f.memory_floor),
+            ("fleet.recomputeFullKv", f.recompute_full_kv),
         ];
         for (name, v) in shares {
             if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
@@ -682,6 +699,7 @@ impl RawConfig {
             memory_seconds: f.memory_seconds,
             memory_floor: f.memory_floor,
             cost_quantum_s: f.cost_quantum_ms / 1000.0,
+            recompute_full_kv: f.recompute_full_kv,
             prefix_index_slots: u64::from(f.prefix_index_slots),
             prefix_ttl_ms: f.prefix_ttl_ms,
             snapshot_key: format!("{prefix}.fleet.v1"),

@@ -142,6 +142,8 @@ pub struct Facts {
     pub output_tokens: u64,
     pub stream: bool,
     pub non_text_parts: u64,
+    /// The prompt continues a conversation ([`request::Body::continues`]).
+    pub continues: bool,
 }
 
 impl Facts {
@@ -275,6 +277,7 @@ pub fn analyze(
         output_tokens,
         stream: parsed.stream,
         non_text_parts: parsed.non_text_parts,
+        continues: parsed.continues(),
     })
 }
 
@@ -458,10 +461,12 @@ pub fn pick_fleet(
             },
         });
     }
-    // The key's home: its rendezvous top among the replicas with headroom.
+    // The key's home: its rendezvous top among the replicas with headroom;
+    // for a request that continues a conversation, among them all (the
+    // conversation is there; the cost moves it if it must).
     let home = seen
         .iter()
-        .filter(|r| r.headroom)
+        .filter(|r| r.headroom || facts.continues)
         .max_by_key(|r| picker::rank(key, r.id))
         .map(|r| r.id);
     let blocks = facts.blocks.len().max(1) as f64;
@@ -490,8 +495,6 @@ pub fn pick_fleet(
             // the home's assumed share: a hot key's home would look idle),
             // at least one token.
             uncached_of.push((r.index, ((input * (1.0 - indexed)) as u64).max(1)));
-            let ttft =
-                (r.pending as f64 + uncached * (1.0 + f.recompute_weight)) / f.prefill_tokens_per_s;
             // Predicted KV use; without a capacity, the engine's own
             // utilisation (this request's share unknown).
             let used = r
@@ -499,6 +502,16 @@ pub fn pick_fleet(
                 .map_or(r.kv, |c| r.memory.saturating_add(need) as f64 / c as f64);
             let over = ((used - f.memory_knee) / (1.0 - f.memory_knee)).max(0.0);
             let memory_term = f.memory_seconds * over * over;
+            // A prefix computed again costs others only where memory is in
+            // demand: the whole weight from `recomputeFullKv` of predicted
+            // use, in proportion below it. Stale data says nothing of the
+            // replica's memory: the whole weight.
+            let weight = if r.fresh && f.recompute_full_kv > 0.0 {
+                f.recompute_weight * (used / f.recompute_full_kv).clamp(0.0, 1.0)
+            } else {
+                f.recompute_weight
+            };
+            let ttft = (r.pending as f64 + uncached * (1.0 + weight)) / f.prefill_tokens_per_s;
             Candidate {
                 index: r.index,
                 id: r.id,
@@ -1239,6 +1252,108 @@ mod tests {
         assert_eq!(d.targets[0], other_addr);
     }
 
+    /// Where memory is not in demand, a prefix computed a second time
+    /// costs little: a replica with a short queue keeps the request at
+    /// high KV use, and loses it at low KV use.
+    #[test]
+    fn the_recompute_weight_follows_kv_use() {
+        let doc = "shared document ".repeat(600); // about 2400 tokens
+        let f = facts(
+            &chat(json!([{"role":"user","content":doc}]), json!({})),
+            None,
+        );
+        let pick = |c: &Config, home_kv: f64, other_kv: f64, home: &str, other: &str| {
+            // Four waiting at the home: about 4k tokens of prefill ahead.
+            let v = view(
+                &[
+                    (home, true, home_kv, 4, &[]),
+                    (other, true, other_kv, 0, &[]),
+                ],
+                0,
+            );
+            let fleet = Some(FleetInput {
+                view: &v,
+                now_ms: 5000,
+            });
+            let store = MemorySharedData::default();
+            let m = MemoryMetrics::default();
+            route(c, &store, &m, &mut IndexCache::default(), Ok(&f), fleet, 0).targets[0].clone()
+        };
+        let c = cfg();
+        let calm = view(
+            &[
+                ("10.0.0.1:80", true, 0.0, 0, &[]),
+                ("10.0.0.2:80", true, 0.0, 0, &[]),
+            ],
+            0,
+        );
+        let home = fleet_pick(&calm, &f, 5000).targets[0].clone();
+        let other = if home == "10.0.0.1:80" {
+            "10.0.0.2:80"
+        } else {
+            "10.0.0.1:80"
+        };
+        assert_eq!(pick(&c, 0.5, 0.5, &home, other), home, "busy memory: stays");
+        assert_eq!(
+            pick(&c, 0.02, 0.0, &home, other),
+            other,
+            "idle memory: moves"
+        );
+        let whole =
+            Config::from_json(br#"{"hosts":["127.0.0.1:8001"],"fleet":{"recomputeFullKv":0}}"#)
+                .unwrap();
+        assert_eq!(
+            pick(&whole, 0.02, 0.0, &home, other),
+            home,
+            "whole weight: stays"
+        );
+    }
+
+    /// A replica without headroom by the snapshot takes no new
+    /// conversation as their home, but stays the home of the conversations
+    /// it holds.
+    #[test]
+    fn a_pressed_home_keeps_its_conversations() {
+        let c = Config::from_json(br#"{"hosts":["127.0.0.1:8001"],"fleet":{"kvPressure":0.5}}"#)
+            .unwrap();
+        let opening = "a long opening question ".repeat(400); // about 2400 tokens
+        let first = chat(json!([{"role":"user","content":opening}]), json!({}));
+        let next = chat(
+            json!([{"role":"user","content":opening},{"role":"assistant","content":"hi"},
+                   {"role":"user","content":"and then?"}]),
+            json!({}),
+        );
+        let (f1, f2) = (facts(&first, Some("conv")), facts(&next, Some("conv")));
+        assert!(!f1.continues && f2.continues);
+        assert_eq!(f1.affinity, f2.affinity);
+        let calm = view(
+            &[
+                ("10.0.0.1:80", true, 0.0, 0, &[]),
+                ("10.0.0.2:80", true, 0.0, 0, &[]),
+            ],
+            0,
+        );
+        let home = fleet_pick(&calm, &f2, 5000).targets[0].clone();
+        let other = if home == "10.0.0.1:80" {
+            "10.0.0.2:80"
+        } else {
+            "10.0.0.1:80"
+        };
+        // The home at 60 % KV: past kvPressure, below the memory knee.
+        let pressed = view(&[(&home, true, 0.6, 0, &[]), (other, true, 0.0, 0, &[])], 0);
+        let pick = |f: &Facts| {
+            let fleet = Some(FleetInput {
+                view: &pressed,
+                now_ms: 5000,
+            });
+            let store = MemorySharedData::default();
+            let m = MemoryMetrics::default();
+            route(&c, &store, &m, &mut IndexCache::default(), Ok(f), fleet, 0).targets[0].clone()
+        };
+        assert_eq!(pick(&f1), other, "a new conversation avoids it");
+        assert_eq!(pick(&f2), home, "a continuing one stays");
+    }
+
     #[test]
     fn unparsed_requests_avoid_unready_replicas() {
         let c = cfg();
@@ -1332,6 +1447,7 @@ mod equivalence {
                 output_tokens: 100,
                 stream: false,
                 non_text_parts: 0,
+                continues: false,
             };
             let home = pick_for(&cfg, &f, &[]);
             let a = pick_fleet(&cfg, &f, &view, &idle, &[], 0);

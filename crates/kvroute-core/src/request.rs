@@ -267,6 +267,17 @@ impl<'a> Body<'a> {
         }
     }
 
+    /// Whether the prompt continues a conversation: it holds a turn the
+    /// model produced (see [`produced`]), so an earlier request of the
+    /// conversation was served. A bare prompt (`/v1/completions`) does not
+    /// say, and counts as not continuing.
+    pub fn continues(&self) -> bool {
+        match &self.prompt {
+            Prompt::Messages { messages, .. } => messages.iter().any(|m| produced(&m.role)),
+            Prompt::Empty | Prompt::Completion(_) => false,
+        }
+    }
+
     fn count_non_text(&self) -> u64 {
         match &self.prompt {
             Prompt::Messages {
@@ -278,6 +289,12 @@ impl<'a> Body<'a> {
             _ => 0,
         }
     }
+}
+
+/// A message the model produced: an answer (`assistant`), or a Responses
+/// item of an answer (`function_call`, `reasoning`).
+fn produced(role: &str) -> bool {
+    matches!(role, "assistant" | "function_call" | "reasoning")
 }
 
 fn write_message(
@@ -717,6 +734,47 @@ mod tests {
         let mut c = Collect::default();
         b.canonical(&mut c);
         (b, c)
+    }
+
+    #[test]
+    fn a_turn_the_model_produced_marks_a_continuation() {
+        let cases: &[(Endpoint, &str, bool)] = &[
+            (
+                Endpoint::ChatCompletions,
+                r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"q"}]}"#,
+                false,
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"q2"}]}"#,
+                true,
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"q2"}]}"#,
+                true,
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"model":"m","max_tokens":5,"system":"s","messages":[{"role":"user","content":"q"}]}"#,
+                false,
+            ),
+            (Endpoint::Responses, r#"{"input":"q"}"#, false),
+            (
+                Endpoint::Responses,
+                r#"{"input":[{"role":"user","content":"q"},{"type":"function_call","name":"f","arguments":"{}","call_id":"c"},{"type":"function_call_output","call_id":"c","output":"r"}]}"#,
+                true,
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"prompt":"User: q\nAssistant: a\nUser: q2"}"#,
+                false,
+            ),
+        ];
+        for (ep, json, continues) in cases {
+            let body = parse(*ep, json.as_bytes()).unwrap();
+            assert_eq!(body.continues(), *continues, "{json}");
+        }
     }
 
     #[test]

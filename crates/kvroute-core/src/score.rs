@@ -5,8 +5,9 @@
 //! gets a predicted cost in seconds, a decision under uncertainty:
 //!
 //! ```text
-//! cost = (pending + uncached) / prefillTokensPerS          predicted TTFT
+//! cost = (pending + uncached * (1 + w)) / prefillTokensPerS
 //!      + memorySeconds * max(0, (use - memoryKnee) / (1 - memoryKnee))^2
+//! w    = recomputeWeight * min(1, use / recomputeFullKv)
 //! ```
 //!
 //! - `pending`: prefill ahead of the request, the larger of the engine's
@@ -22,7 +23,16 @@
 //!   it, or the gateway's memory held when larger) plus this request's
 //!   prompt and expected output. Only where the snapshot gives the
 //!   capacity; the term rises steeply as a replica nears it, where the
-//!   engine would preempt or hold the request waiting for memory.
+//!   engine would preempt or hold the request waiting for memory;
+//! - `w`: what a prefix computed there costs beyond the request's own
+//!   wait. A second copy of a prefix takes memory that holds other cached
+//!   prefixes, and its prefill delays the requests behind it; both matter
+//!   only where memory is in demand, so the weight grows with the
+//!   replica's predicted use up to `recomputeFullKv` (at 0, the whole
+//!   weight everywhere). On the fleet simulation's Mooncake trace (KV use
+//!   about 10 %) a whole weight held requests at busy homes and cost TTFT
+//!   p95; on the chat family (about 50 %) the weight is what keeps
+//!   conversations home (docs/fleet-state.md).
 //!
 //! Locality therefore yields when a warm replica's predicted cost exceeds a
 //! cold one's (its queue outweighs the prefill the cache saves), not at a
@@ -36,7 +46,12 @@
 //! A key's home is the rendezvous top of its affinity key among the
 //! replicas with headroom *by the snapshot* (KV below `kvPressure`, fewer
 //! than `queuePressure` waiting): a function of the request and the
-//! snapshot only, which every gateway shares. Assuming the home holds the
+//! snapshot only, which every gateway shares. A request that continues a
+//! conversation (the body holds a turn the model produced) keeps its home
+//! among all the candidates, pressed or not: its history is there, and the
+//! cost's queue and memory terms move it when they must. (Fleet
+//! simulation, chat family, 4 gateways: TTFT p95 253 -> 226 ms; no change
+//! on the other families, docs/fleet-state.md.) Assuming the home holds the
 //! key's prefix makes every gateway send a conversation there even when its
 //! own prefix index has never seen it; per-gateway state (the index, the
 //! gateway's own pending prefill and memory) only moves a request off its
