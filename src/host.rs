@@ -4,7 +4,12 @@
 //! skipped (a metric that cannot be recorded is not worth a trap). Nothing
 //! here unwraps.
 
-use kvroute_core::host::{Counter, Gauge, HostError, Metrics, SetError, SharedData};
+use std::cell::RefCell;
+
+use kvroute_core::host::{
+    Counter, Gauge, HostError, Metrics, ReplicaCounter, SetError, SharedData, OTHER_REPLICAS,
+    REPLICA_SERIES,
+};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MetricType, Status};
 
@@ -29,6 +34,11 @@ impl SharedData for HostSharedData {
 pub struct HostMetrics {
     counters: Vec<Option<u32>>,
     gauges: Vec<Option<u32>>,
+    /// Per-replica series, defined when first counted: `(host metric
+    /// name, id)`, at most `REPLICA_SERIES` replicas per counter plus the
+    /// `other` series (the tally already caps them; this holds whatever
+    /// calls it).
+    series: RefCell<Vec<(String, Option<u32>)>>,
 }
 
 impl HostMetrics {
@@ -51,7 +61,36 @@ impl HostMetrics {
                 .iter()
                 .map(|g| define(MetricType::Gauge, g.name()))
                 .collect(),
+            series: RefCell::new(Vec::new()),
         }
+    }
+
+    /// The id of a replica's series, defined on first use.
+    fn series_id(&self, c: ReplicaCounter, replica: &str) -> Option<u32> {
+        let mut series = self.series.try_borrow_mut().ok()?;
+        let name = c.series(replica);
+        if let Some((_, id)) = series.iter().find(|(n, _)| *n == name) {
+            return *id;
+        }
+        let cap = (REPLICA_SERIES + 1) * ReplicaCounter::ALL.len();
+        let name = if series.len() >= cap {
+            let other = c.series(OTHER_REPLICAS);
+            if let Some((_, id)) = series.iter().find(|(n, _)| *n == other) {
+                return *id;
+            }
+            other
+        } else {
+            name
+        };
+        let id = match hostcalls::define_metric(MetricType::Counter, &name) {
+            Ok(id) => Some(id),
+            Err(e) => {
+                log::warn!("kvroute: cannot define metric {name}: {e:?}");
+                None
+            }
+        };
+        series.push((name, id));
+        id
     }
 
     fn counter_id(&self, c: Counter) -> Option<u32> {
@@ -75,6 +114,12 @@ impl Metrics for HostMetrics {
     fn gauge(&self, g: Gauge, v: u64) {
         if let Some(id) = self.gauge_id(g) {
             let _ = hostcalls::record_metric(id, v);
+        }
+    }
+
+    fn count_replica(&self, c: ReplicaCounter, replica: &str, n: u64) {
+        if let Some(id) = self.series_id(c, replica) {
+            let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
 }

@@ -26,6 +26,7 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
+use kvroute_core::answers::{self, Expectation};
 use kvroute_core::config::Role;
 use kvroute_core::decide::{self, Decision, FleetInput, Unparsed};
 use kvroute_core::host::{header_text, Counter, Gauge, Metrics, Tally};
@@ -113,6 +114,9 @@ impl Shared {
         self.refresh_fleet(0, now, true);
         for (c, n) in self.tally.drain() {
             self.metrics.count(c, n);
+        }
+        for (replica, c, n) in self.tally.drain_replicas() {
+            self.metrics.count_replica(c, &replica, n);
         }
         let (prefill, memory) = load::read(&HostSharedData, &self.config.load_key).totals();
         self.metrics.gauge(Gauge::InflightPrefillTokens, prefill);
@@ -210,6 +214,7 @@ impl RootContext for Root {
             pending: None,
             model: None,
             tracker: Tracker::Off,
+            expectation: None,
         }))
     }
 
@@ -239,6 +244,9 @@ struct Stream {
     /// The parsed request's model, for learning its output length.
     model: Option<String>,
     tracker: Tracker,
+    /// What the decision expected cached on its primary, until the answer
+    /// says what was (only for decisions that expected a hit).
+    expectation: Option<Expectation>,
 }
 
 /// A header as text; missing, unreadable or not UTF-8 reads as `None`.
@@ -248,6 +256,16 @@ struct Stream {
 /// by tests/e2e/test_hostile.py). Read bytes, decode in kvroute-core.
 fn map_value(map: MapType, name: &str) -> Option<String> {
     header_text(hostcalls::get_map_value_bytes(map, name).ok().flatten())
+}
+
+/// The address of the upstream host that answered (`ip:port`), if Envoy
+/// says.
+fn upstream_address() -> Option<String> {
+    header_text(
+        hostcalls::get_property(vec!["upstream", "address"])
+            .ok()
+            .flatten(),
+    )
 }
 
 fn header(name: &str) -> Option<String> {
@@ -276,15 +294,20 @@ impl Stream {
         );
         drop(cache);
         log::debug!(
-            "[{}] kvroute decision reason={} key={:?} targets={:?} degraded={} unparsed={:?}",
+            "[{}] kvroute decision reason={} key={:?} targets={:?} degraded={} expected_cached={} unparsed={:?}",
             self.id,
             d.reason.as_str(),
             d.key,
             d.targets,
             d.degraded,
+            d.expected_cached,
             facts.as_ref().err()
         );
         self.pending = d.charge;
+        self.expectation = facts
+            .as_ref()
+            .ok()
+            .and_then(|f| Expectation::of(f, &d, now));
         let action = if d.targets.is_empty() {
             let model = facts.as_ref().map(|f| f.model.as_str()).unwrap_or("");
             let body = serde_json::json!({"error": {
@@ -353,6 +376,34 @@ impl Stream {
             self.model = Some(f.model.clone());
         }
         self.decide(facts, now)
+    }
+
+    /// Compares the answer's cached tokens with what the decision expected
+    /// (see kvroute_core::answers), counting in the worker's tally.
+    fn learn(&self, exp: &Expectation, learned: &usage::Learned) {
+        let shared = &self.shared;
+        let Ok(mut cache) = shared.index.try_borrow_mut() else {
+            return;
+        };
+        let verdict = answers::learn(
+            &shared.config,
+            &HostSharedData,
+            &shared.tally,
+            &mut cache,
+            exp,
+            learned,
+            now_ms(),
+        );
+        if let Some(v) = verdict.filter(|v| v.short) {
+            log::debug!(
+                "[{}] kvroute: {} had {} of {} expected cached tokens; {} index entries dropped",
+                self.id,
+                exp.replica,
+                v.cached,
+                v.expected,
+                v.dropped
+            );
+        }
     }
 
     fn release(&mut self, prefill_only: bool) {
@@ -441,14 +492,25 @@ impl HttpContext for Stream {
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         // First response byte: the prompt has been prefilled.
         self.release(true);
-        // A sample of the responses teaches the output-length prior (each
-        // read is host calls; see usage::OBSERVE_EVERY).
+        // A sample of the responses teaches the output-length prior, and
+        // every answer to a decision that expected a prefix hit says how
+        // much was cached (each read is host calls; see
+        // answers::read_answer).
         if self.model.is_some()
-            && usage::observed(self.id)
+            && answers::read_answer(self.id, self.expectation.as_ref())
             && map_value(MapType::HttpResponseHeaders, ":status").is_some_and(|s| s == "200")
         {
             let ct = map_value(MapType::HttpResponseHeaders, "content-type");
             self.tracker = Tracker::for_content_type(ct.as_deref());
+        }
+        let from_primary = self.expectation.as_ref().is_some_and(|exp| {
+            // After a retry the answer comes from a fallback, and says
+            // nothing of the primary's cache. (Unknown: taken as the primary.)
+            upstream_address().is_none_or(|a| a == exp.replica)
+        });
+        if !from_primary || matches!(self.tracker, Tracker::Off) {
+            // Not read: the block hashes need not wait for the answer.
+            self.expectation = None;
         }
         if self.shared.config.explain_header {
             if let Some(d) = &self.decision {
@@ -472,7 +534,13 @@ impl HttpContext for Stream {
             self.tracker.feed(&chunk);
         }
         if end_of_stream {
-            if let (Some(tokens), Some(model)) = (self.tracker.finish(), self.model.as_deref()) {
+            let learned = self.tracker.finish();
+            self.tracker = Tracker::Off;
+            if let (true, Some(tokens), Some(model)) = (
+                usage::observed(self.id),
+                learned.output_tokens,
+                self.model.as_deref(),
+            ) {
                 usage::observe(
                     &HostSharedData,
                     &self.shared.config.shared_data_prefix,
@@ -480,7 +548,9 @@ impl HttpContext for Stream {
                     tokens,
                 );
             }
-            self.tracker = Tracker::Off;
+            if let Some(exp) = self.expectation.take() {
+                self.learn(&exp, &learned);
+            }
         }
         Action::Continue
     }

@@ -31,7 +31,16 @@ Three paths are the engine's own, as a scraper sees them (vLLM's names):
   ``{"ready": false}``, ``{"kv": 0.95, "waiting": 20}``,
   ``{"models": ["model-a"]}``, ``{"answer_status": 503}`` (inference
   requests are answered with that status, the same JSON body),
-  ``{"reset_counts": true}``.
+  ``{"reset_counts": true}``, ``{"prefix_cache": true}`` (answers carry
+  OpenAI ``usage`` with ``prompt_tokens_details.cached_tokens``, below),
+  ``{"flush_cache": true}`` (the replica forgets every prompt it saw).
+
+The prefix cache, when on, is a model for kvroute's learning from answers:
+a prompt is the request's messages as ``role\ncontent\n`` each (the
+body itself for other requests), 4 bytes a token; the replica remembers the
+last 256 prompts it answered, and a request's cached tokens are its longest
+byte prefix shared with one of them, in whole blocks of 16 tokens (64
+bytes), at most all tokens but one.
 
 State (defaults): ready true, kv 0.0, waiting 0, running 0, models
 ["test-model"] (an empty list exports no model_name label), block_size 16,
@@ -77,7 +86,11 @@ DEFAULT_STATE: dict[str, Any] = {
     # Status of the answers to inference requests (not /health, /metrics,
     # /_control): 200, or e.g. 503 for a replica that went bad.
     "answer_status": 200,
+    # Answers carry usage with cached tokens from a modelled prefix cache.
+    "prefix_cache": False,
 }
+# Prompts a replica remembers for its modelled prefix cache.
+CACHE_PROMPTS = 256
 
 
 class StateError(ValueError):
@@ -90,11 +103,11 @@ def validate_state_update(update: Any) -> dict[str, Any]:
         raise StateError("expected a JSON object")
     out: dict[str, Any] = {}
     for key, value in update.items():
-        if key == "reset_counts":
+        if key in ("reset_counts", "flush_cache"):
             out[key] = bool(value)
-        elif key == "ready":
+        elif key in ("ready", "prefix_cache"):
             if not isinstance(value, bool):
-                raise StateError("ready: expected true or false")
+                raise StateError(f"{key}: expected true or false")
             out[key] = value
         elif key == "kv":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
@@ -252,18 +265,24 @@ class ReplicaHandler(BaseHTTPRequestHandler):
             state = self.server.snapshot_state()
             models = state["models"]
             dest_values = self.headers.get_all(DESTINATION_HEADER) or []
-            self._send(
-                state["answer_status"],
-                {
-                    "served_by": self.server.replica,
-                    "method": self.command,
-                    "path": self.path,
-                    "request_bytes": len(body),
-                    "destination_header": ",".join(dest_values) if dest_values else None,
-                    "model": model,
-                    "model_served": model is None or not models or model in models,
-                },
-            )
+            doc = {
+                "served_by": self.server.replica,
+                "method": self.command,
+                "path": self.path,
+                "request_bytes": len(body),
+                "destination_header": ",".join(dest_values) if dest_values else None,
+                "model": model,
+                "model_served": model is None or not models or model in models,
+            }
+            if state["prefix_cache"] and state["answer_status"] == 200:
+                prompt, cached = self.server.prefill(prompt_bytes(body))
+                doc["usage"] = {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": 1,
+                    "total_tokens": prompt + 1,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                }
+            self._send(state["answer_status"], doc)
         finally:
             self.server.end_request()
 
@@ -311,6 +330,7 @@ class ReplicaServer(ThreadingHTTPServer):
         self._requests = 0
         self._by_model: Counter = Counter()
         self._inflight = 0
+        self._prompts: list[bytes] = []
 
     # State and counts, shared by the handler threads.
     def snapshot_state(self) -> dict[str, Any]:
@@ -323,7 +343,21 @@ class ReplicaServer(ThreadingHTTPServer):
             if update.pop("reset_counts", False):
                 self._requests = 0
                 self._by_model.clear()
+            if update.pop("flush_cache", False):
+                self._prompts.clear()
             self._state.update(update)
+
+    def prefill(self, prompt: bytes) -> tuple[int, int]:
+        """(prompt tokens, cached tokens) of a prompt, which is then remembered."""
+        tokens = -(-len(prompt) // 4)
+        with self._lock:
+            shared = max((_common_prefix(prompt, p) for p in self._prompts), default=0)
+            if prompt in self._prompts:
+                self._prompts.remove(prompt)
+            self._prompts.append(prompt)
+            del self._prompts[:-CACHE_PROMPTS]
+        cached = (shared // 64) * 16
+        return tokens, max(0, min(cached, tokens - 1))
 
     def begin_request(self, model: str | None) -> None:
         with self._lock:
@@ -345,6 +379,33 @@ class ReplicaServer(ThreadingHTTPServer):
                 "requests_by_model": dict(self._by_model),
                 "inflight": self._inflight,
             }
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prompt_bytes(body: bytes) -> bytes:
+    """The prompt the modelled prefix cache sees: the messages as
+    `role\ncontent\n` each, or the body when it has none."""
+    try:
+        doc = json.loads(body) if body and len(body) <= MAX_PARSED_BODY_BYTES else None
+    except (ValueError, RecursionError):
+        doc = None
+    messages = doc.get("messages") if isinstance(doc, dict) else None
+    if not isinstance(messages, list):
+        return body
+    out = []
+    for m in messages:
+        if isinstance(m, dict):
+            content = m.get("content")
+            out.append(f"{m.get('role')}\n{content if isinstance(content, str) else json.dumps(content)}\n")
+    return "".join(out).encode()
 
 
 def request_model(body: bytes) -> str | None:

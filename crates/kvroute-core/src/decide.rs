@@ -312,6 +312,10 @@ pub struct Decision {
     pub key: Option<u64>,
     /// What was added to the load table, to be released later.
     pub charge: Option<Charge>,
+    /// Prompt tokens the prefix index expected cached on the primary (the
+    /// prompt less the prefill charged there; 0 without an index hit). The
+    /// answer's own figure is compared with it ([`crate::answers`]).
+    pub expected_cached: u64,
 }
 
 /// Picks for parsed facts against the given loads (memory held per
@@ -350,6 +354,7 @@ fn decision(
             degraded,
             key,
             charge: None,
+            expected_cached: 0,
         };
     };
     let reason = match (p.spilled, facts.affinity) {
@@ -357,9 +362,10 @@ fn decision(
         (false, Affinity::Session(_)) => Reason::Session,
         (false, Affinity::Prefix(_)) => Reason::Prefix,
     };
+    let uncached = prefill(p.primary);
     let charge = hosts.get(p.primary).map(|h| Charge {
         host: h.id,
-        prefill: prefill(p.primary),
+        prefill: uncached,
         memory: facts.memory(),
     });
     Decision {
@@ -369,6 +375,7 @@ fn decision(
         degraded,
         key,
         charge,
+        expected_cached: facts.input_tokens.saturating_sub(uncached),
     }
 }
 
@@ -689,6 +696,7 @@ pub fn route(
                 degraded: fleet.is_none(),
                 key: None,
                 charge: None,
+                expected_cached: 0,
             }
         }
     };
@@ -720,12 +728,17 @@ pub fn explain(d: &Decision) -> String {
     let host = d.targets.first().map_or("-", String::as_str);
     match d.key {
         Some(k) => format!(
-            "reason={}; host={}; key={:016x}",
+            "reason={}; host={}; key={:016x}; expected_cached={}",
             d.reason.as_str(),
             host,
-            k
+            k,
+            d.expected_cached
         ),
-        None => format!("reason={}; host={}; key=-", d.reason.as_str(), host),
+        None => format!(
+            "reason={}; host={}; key=-; expected_cached=0",
+            d.reason.as_str(),
+            host
+        ),
     }
 }
 

@@ -107,10 +107,17 @@ pub enum Counter {
     IngestStale,
     IngestConflict,
     SnapshotDecodeFailed,
+    /// Answers whose cached tokens were compared with the index's
+    /// expectation ([`crate::answers`]).
+    PrefixAnswers,
+    /// ... of which the engine's cached tokens fell short of it.
+    PrefixShortfalls,
+    /// Prefix-index entries removed after a shortfall.
+    PrefixEntriesDropped,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 20] = [
+    pub const ALL: [Counter; 23] = [
         Counter::DecisionSession,
         Counter::DecisionPrefix,
         Counter::DecisionSpill,
@@ -131,6 +138,9 @@ impl Counter {
         Counter::IngestStale,
         Counter::IngestConflict,
         Counter::SnapshotDecodeFailed,
+        Counter::PrefixAnswers,
+        Counter::PrefixShortfalls,
+        Counter::PrefixEntriesDropped,
     ];
 
     pub fn name(self) -> &'static str {
@@ -155,6 +165,9 @@ impl Counter {
             Counter::IngestStale => "kvroute_ingest_stale_total",
             Counter::IngestConflict => "kvroute_ingest_conflicts_total",
             Counter::SnapshotDecodeFailed => "kvroute_snapshot_decode_failures_total",
+            Counter::PrefixAnswers => "kvroute_prefix_answers_total",
+            Counter::PrefixShortfalls => "kvroute_prefix_shortfalls_total",
+            Counter::PrefixEntriesDropped => "kvroute_prefix_entries_dropped_total",
         }
     }
 }
@@ -188,9 +201,62 @@ impl Gauge {
     }
 }
 
+/// Counters kept per replica: one series per replica address, for the
+/// first [`REPLICA_SERIES`] replicas a worker counts, the rest summed in
+/// one series labelled [`OTHER_REPLICAS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaCounter {
+    /// Prompt tokens the prefix index expected cached on the replica.
+    ExpectedTokens,
+    /// Prompt tokens the replica's answers reported cached.
+    CachedTokens,
+}
+
+impl ReplicaCounter {
+    pub const ALL: [ReplicaCounter; 2] =
+        [ReplicaCounter::ExpectedTokens, ReplicaCounter::CachedTokens];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReplicaCounter::ExpectedTokens => "kvroute_prefix_expected_tokens_total",
+            ReplicaCounter::CachedTokens => "kvroute_prefix_cached_tokens_total",
+        }
+    }
+
+    /// The host's metric name for one replica's series:
+    /// `<name>.replica.<label>`, where Envoy's stats tag extraction (see
+    /// envoy-config/envoy.yaml, `stats_tags`) turns the suffix into the
+    /// label `replica`. The label is the address with every byte other
+    /// than `[A-Za-z0-9_-]` replaced by `_` (`127.0.0.1:8001` ->
+    /// `127_0_0_1_8001`): a dot would split Envoy's stat name.
+    pub fn series(self, replica: &str) -> String {
+        let label: String = replica
+            .chars()
+            .take(MAX_LABEL)
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        format!("{}.replica.{label}", self.name())
+    }
+}
+
+/// Replicas that get their own series per worker.
+pub const REPLICA_SERIES: usize = 128;
+/// The series of the replicas past [`REPLICA_SERIES`].
+pub const OTHER_REPLICAS: &str = "other";
+/// Longest replica label kept (an address is far shorter).
+const MAX_LABEL: usize = 64;
+
 pub trait Metrics {
     fn count(&self, c: Counter, n: u64);
     fn gauge(&self, g: Gauge, v: u64);
+    /// Adds to one replica's series of `c` (no-op unless implemented).
+    fn count_replica(&self, _c: ReplicaCounter, _replica: &str, _n: u64) {}
 }
 
 /// Counts kept in the VM and handed to the host in batches.
@@ -203,6 +269,9 @@ pub trait Metrics {
 #[derive(Debug, Default)]
 pub struct Tally {
     counts: [Cell<u64>; Counter::ALL.len()],
+    /// Per-replica counts: `(replica, counts by ReplicaCounter::ALL)`, at
+    /// most [`REPLICA_SERIES`] replicas plus [`OTHER_REPLICAS`].
+    replicas: RefCell<Vec<(String, [u64; ReplicaCounter::ALL.len()])>>,
 }
 
 impl Tally {
@@ -213,6 +282,23 @@ impl Tally {
             .zip(&self.counts)
             .filter_map(|(c, n)| Some((*c, n.take())).filter(|(_, n)| *n > 0))
             .collect()
+    }
+
+    /// The per-replica counts since the last drain, non-zero ones only, and
+    /// zeroed (the replicas stay known, so the cap holds across drains).
+    pub fn drain_replicas(&self) -> Vec<(String, ReplicaCounter, u64)> {
+        let Ok(mut rows) = self.replicas.try_borrow_mut() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (replica, counts) in rows.iter_mut() {
+            for (c, n) in ReplicaCounter::ALL.iter().zip(counts.iter_mut()) {
+                if *n > 0 {
+                    out.push((replica.clone(), *c, std::mem::take(n)));
+                }
+            }
+        }
+        out
     }
 }
 
@@ -228,6 +314,33 @@ impl Metrics for Tally {
     }
 
     fn gauge(&self, _g: Gauge, _v: u64) {}
+
+    fn count_replica(&self, c: ReplicaCounter, replica: &str, n: u64) {
+        let Some(i) = ReplicaCounter::ALL.iter().position(|x| *x == c) else {
+            return;
+        };
+        let Ok(mut rows) = self.replicas.try_borrow_mut() else {
+            return;
+        };
+        let known = rows.iter().position(|(r, _)| r == replica);
+        let row = match known {
+            Some(k) => k,
+            None if rows.len() < REPLICA_SERIES => {
+                rows.push((replica.to_owned(), [0; ReplicaCounter::ALL.len()]));
+                rows.len() - 1
+            }
+            None => match rows.iter().position(|(r, _)| r == OTHER_REPLICAS) {
+                Some(k) => k,
+                None => {
+                    rows.push((OTHER_REPLICAS.to_owned(), [0; ReplicaCounter::ALL.len()]));
+                    rows.len() - 1
+                }
+            },
+        };
+        if let Some(v) = rows.get_mut(row).and_then(|(_, counts)| counts.get_mut(i)) {
+            *v = v.saturating_add(n);
+        }
+    }
 }
 
 /// Records metrics in memory, for tests.
@@ -235,11 +348,21 @@ impl Metrics for Tally {
 pub struct MemoryMetrics {
     pub counters: RefCell<HashMap<&'static str, u64>>,
     pub gauges: RefCell<HashMap<&'static str, u64>>,
+    /// Per-replica series by their host metric name.
+    pub series: RefCell<HashMap<String, u64>>,
 }
 
 impl MemoryMetrics {
     pub fn counter(&self, c: Counter) -> u64 {
         self.counters.borrow().get(c.name()).copied().unwrap_or(0)
+    }
+
+    pub fn replica(&self, c: ReplicaCounter, replica: &str) -> u64 {
+        self.series
+            .borrow()
+            .get(&c.series(replica))
+            .copied()
+            .unwrap_or(0)
     }
 }
 
@@ -249,6 +372,13 @@ impl Metrics for MemoryMetrics {
     }
     fn gauge(&self, g: Gauge, v: u64) {
         self.gauges.borrow_mut().insert(g.name(), v);
+    }
+    fn count_replica(&self, c: ReplicaCounter, replica: &str, n: u64) {
+        *self
+            .series
+            .borrow_mut()
+            .entry(c.series(replica))
+            .or_default() += n;
     }
 }
 
@@ -277,6 +407,58 @@ mod tests {
         t.count(Counter::BodyBytes, u64::MAX);
         t.count(Counter::BodyBytes, 5);
         assert_eq!(t.drain(), vec![(Counter::BodyBytes, u64::MAX)]);
+    }
+
+    #[test]
+    fn replica_series_are_bounded_and_batched() {
+        let t = Tally::default();
+        t.count_replica(ReplicaCounter::ExpectedTokens, "127.0.0.1:8001", 100);
+        t.count_replica(ReplicaCounter::CachedTokens, "127.0.0.1:8001", 60);
+        t.count_replica(ReplicaCounter::ExpectedTokens, "127.0.0.1:8001", 1);
+        assert_eq!(
+            t.drain_replicas(),
+            vec![
+                (
+                    "127.0.0.1:8001".to_owned(),
+                    ReplicaCounter::ExpectedTokens,
+                    101
+                ),
+                (
+                    "127.0.0.1:8001".to_owned(),
+                    ReplicaCounter::CachedTokens,
+                    60
+                )
+            ]
+        );
+        assert!(t.drain_replicas().is_empty());
+        for r in 0..REPLICA_SERIES + 50 {
+            t.count_replica(
+                ReplicaCounter::CachedTokens,
+                &format!("10.0.{}.{}:80", r / 256, r % 256),
+                1,
+            );
+        }
+        let drained = t.drain_replicas();
+        // 127.0.0.1:8001 took one of the series; the rest went to "other".
+        assert_eq!(drained.len(), REPLICA_SERIES);
+        let other: u64 = drained
+            .iter()
+            .filter(|(r, _, _)| r == OTHER_REPLICAS)
+            .map(|(_, _, n)| n)
+            .sum();
+        assert_eq!(other, 51);
+        assert_eq!(
+            drained.iter().map(|(_, _, n)| n).sum::<u64>(),
+            REPLICA_SERIES as u64 + 50
+        );
+        assert_eq!(
+            ReplicaCounter::CachedTokens.series("127.0.0.1:8001"),
+            "kvroute_prefix_cached_tokens_total.replica.127_0_0_1_8001"
+        );
+        assert_eq!(
+            ReplicaCounter::ExpectedTokens.series("[::1]:80"),
+            "kvroute_prefix_expected_tokens_total.replica.___1__80"
+        );
     }
 
     #[test]

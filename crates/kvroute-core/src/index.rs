@@ -23,6 +23,14 @@
 //! evicted by the engine. An overwritten entry only loses locality
 //! information, never correctness.
 //!
+//! Engines also evict sooner than any TTL (memory pressure, a restart, a
+//! flushed cache). When an answer reports fewer cached tokens than the
+//! index expected ([`crate::answers`]), [`Index::forget`] removes the
+//! entries of that request's blocks beyond the depth the engine still
+//! held, if they still name that replica and predate the decision (a
+//! compare-and-swap to an empty value: shared data has no delete). An
+//! empty slot reads as no entry.
+//!
 //! Each read is a host call, so a worker keeps what it read or wrote in an
 //! [`IndexCache`] for [`CACHE_MS`]: a hot prefix (a shared system prompt, a
 //! burst of one agent's calls) is read from shared data a few times a
@@ -274,6 +282,67 @@ impl Index<'_> {
             }
         }
     }
+
+    /// Forgets that `host` holds `blocks` beyond their first `keep`: the
+    /// entries at this request's sampled positions `p >= keep` (each claims
+    /// `p + 1` blocks), and at the last block of the request that wrote a
+    /// removed entry (what [`Index::lookup_seen`] checks next), that still
+    /// name this block and `host` and were written before `before_ms`.
+    /// Returns how many were removed.
+    ///
+    /// An entry written at or after `before_ms` (the decision whose answer
+    /// fell short) records a later send that the engine has not answered
+    /// about, so it stays. Removal is a compare-and-swap on the value just
+    /// read, to an empty value (shared data has no delete): a slot another
+    /// worker rewrote in between keeps its new entry. The worker's `cache`
+    /// forgets the slot too; other workers' copies age out within
+    /// [`CACHE_MS`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn forget(
+        &self,
+        store: &dyn SharedData,
+        cache: &mut IndexCache,
+        blocks: &[u64],
+        keep: usize,
+        host: u64,
+        before_ms: u64,
+        now_ms: u64,
+    ) -> u64 {
+        let mut todo: Vec<usize> = positions(blocks.len())
+            .into_iter()
+            .filter(|&p| p >= keep)
+            .collect();
+        let mut done: Vec<usize> = Vec::with_capacity(todo.len());
+        let mut removed = 0;
+        while let Some(p) = todo.pop() {
+            if done.contains(&p) {
+                continue;
+            }
+            done.push(p);
+            let Some(&block) = blocks.get(p) else {
+                continue;
+            };
+            let key = self.key(block);
+            let Ok((Some(v), Some(cas))) = store.get(&key) else {
+                continue;
+            };
+            let Some(e) = Entry::decode(&v) else {
+                continue;
+            };
+            if e.block != block || e.host != host || e.at_ms >= before_ms {
+                continue;
+            }
+            if store.set(&key, &[], Some(cas)).is_ok() {
+                removed += 1;
+                cache.put(self.slot(block), None, now_ms);
+                let last = (e.depth as usize).min(blocks.len());
+                if last > p + 1 {
+                    todo.push(last - 1);
+                }
+            }
+        }
+        removed
+    }
 }
 
 #[cfg(test)]
@@ -441,6 +510,51 @@ mod tests {
             big.record_after(&store, &mut c, &chain(r, 64), r, 0, &Seen::default());
         }
         assert_eq!(c.lines.len(), CACHE_LINES);
+    }
+
+    #[test]
+    fn forget_removes_only_older_claims_of_that_host_beyond_the_depth() {
+        let store = MemorySharedData::default();
+        let mut cache = IndexCache::default();
+        // Turn 1 (23 blocks) went to host 7 at 0 ms.
+        let turn2 = chain(5, 40);
+        IX.record(&store, &turn2[..23], 7, 0);
+        // Turn 2 is decided at 100 ms: the index expects 23 blocks on 7,
+        // and turn 2 records its new positions (31, 39) there.
+        let (hits, seen) = IX.lookup_seen(&store, &mut cache, &turn2, 100);
+        assert_eq!(hits, vec![(7, 23)]);
+        IX.record_after(&store, &mut cache, &turn2, 7, 100, &seen);
+        // The engine had only the first 2 blocks: turn 1's claims from
+        // position 2 on go (3, 7, 15, and its last block, 22); positions 0
+        // and 1 are within the depth, and turn 2's own entries are newer
+        // than the decision.
+        assert_eq!(IX.forget(&store, &mut cache, &turn2, 2, 7, 100, 150), 4);
+        // The forgetting worker's copy saw the removal at once.
+        assert_eq!(
+            IX.lookup_seen(&store, &mut cache, &turn2[..16], 160).0,
+            vec![(7, 2)]
+        );
+        let fresh = &mut IndexCache::default();
+        assert_eq!(IX.lookup_seen(&store, fresh, &turn2, 200).0, vec![(7, 40)]);
+        assert_eq!(IX.lookup(&store, &turn2[..23], 200), vec![(7, 2)]);
+        // Nothing left to remove.
+        assert_eq!(IX.forget(&store, &mut cache, &turn2, 2, 7, 100, 300), 0);
+    }
+
+    #[test]
+    fn forget_spares_other_hosts_and_slots_rewritten_meanwhile() {
+        let store = MemorySharedData::default();
+        let mut cache = IndexCache::default();
+        let blocks = chain(9, 8);
+        IX.record(&store, &blocks, 9, 0);
+        assert_eq!(IX.forget(&store, &mut cache, &blocks, 0, 7, 1000, 10), 0);
+        // Every compare-and-swap loses: another worker wrote first.
+        store.conflicts.set(usize::MAX);
+        assert_eq!(IX.forget(&store, &mut cache, &blocks, 0, 9, 1000, 10), 0);
+        store.conflicts.set(0);
+        assert_eq!(IX.lookup(&store, &blocks, 10), vec![(9, 8)]);
+        assert_eq!(IX.forget(&store, &mut cache, &blocks, 0, 9, 1000, 10), 4);
+        assert!(IX.lookup(&store, &blocks, 10).is_empty());
     }
 
     #[test]

@@ -8,6 +8,9 @@
 //! - [`load`]: the gateway's in-flight token accounting in shared data;
 //! - [`index`]: the gateway's prefix index in shared data;
 //! - [`decide`]: affinity key and cost, and the decision for one request;
+//! - [`usage`]: what answers say (output length, cached tokens);
+//! - [`answers`]: the cached tokens an answer reports against the index's
+//!   expectation, and the entries it drops;
 //! - [`config`]: plugin JSON, validated and compiled;
 //! - [`host`]: the narrow host traits (shared data, metrics) and test doubles.
 
@@ -16,6 +19,7 @@
     allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)
 )]
 
+pub mod answers;
 pub mod config;
 pub mod decide;
 pub mod fleet;

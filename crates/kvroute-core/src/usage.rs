@@ -1,14 +1,31 @@
-//! Learning how long answers are: completion tokens from responses, and a
-//! per-model prior in shared data.
+//! Learning from answers' `usage`: completion tokens for a per-model
+//! output-length prior in shared data, and the prompt tokens the engine
+//! found cached, for [`crate::answers`].
 //!
 //! Output length is unknown at routing time; `max_tokens` is only an upper
 //! bound, and clients often ask for far more than they get. The filter reads
-//! each response as it streams past (never holding it back):
-//! - JSON responses: `usage.completion_tokens`, parsed at the end of the
-//!   body (bodies over [`MAX_JSON_BYTES`] are not learned from);
-//! - server-sent events: `usage.completion_tokens` of the chunk that carries
-//!   it (`stream_options.include_usage`), otherwise the number of data
-//!   events that carry choices, one token each as vLLM and SGLang stream.
+//! an answer as it streams past (never holding it back), with one parser
+//! for both shapes, [`Tracker`]:
+//! - JSON responses: parsed at the end of the body (bodies over
+//!   [`MAX_JSON_BYTES`] are not learned from);
+//! - server-sent events: each `data:` line is parsed as it completes (lines
+//!   over `MAX_LINE` (64 KiB) are cut and teach nothing), so a figure in a
+//!   late chunk (`stream_options.include_usage`) is found whatever the
+//!   chunking; the events that carry choices are counted too.
+//!
+//! From `usage` ([`Learned`]): output tokens (`completion_tokens`, or
+//! Anthropic's `output_tokens`; for a stream without usage, one token per
+//! choices event, as vLLM and SGLang stream), the cached prompt tokens
+//! (`prompt_tokens_details.cached_tokens` of OpenAI, vLLM and SGLang,
+//! `input_tokens_details.cached_tokens` of OpenAI's responses API,
+//! `cache_read_input_tokens` of Anthropic, found in a stream's
+//! `message_start` event) and the prompt's size. A figure that is missing,
+//! `null` or not a non-negative integer reads as absent; it never fails the
+//! rest of the answer.
+//!
+//! Which answers are read: one in [`OBSERVE_EVERY`] for the prior, and
+//! every answer whose decision expected a prefix hit
+//! ([`crate::answers::read_answer`]).
 //!
 //! The prior is an exponentially weighted mean per model, in one of
 //! [`PRIOR_SLOTS`] shared-data keys chosen by the model's hash (so arbitrary
@@ -18,6 +35,7 @@
 //! instead of `max_tokens`.
 
 use serde::Deserialize;
+use serde_json::Value;
 use xxhash_rust::xxh64::xxh64;
 
 use crate::host::{SetError, SharedData};
@@ -87,30 +105,90 @@ impl PriorCache {
     }
 }
 
+/// One JSON document of an answer: a whole JSON body, or one SSE event.
 #[derive(Deserialize)]
-struct WithUsage {
+struct Event {
+    /// Read field by field (see [`Learned::read_usage`]), so that one odd
+    /// field costs only itself.
     #[serde(default)]
-    usage: Option<Usage>,
+    usage: Option<Value>,
+    /// Anthropic's stream opens with `message_start`, whose message carries
+    /// the prompt's usage.
+    #[serde(default)]
+    message: Option<Value>,
     #[serde(default)]
     choices: Option<serde::de::IgnoredAny>,
 }
 
-#[derive(Deserialize)]
-struct Usage {
-    #[serde(default)]
-    completion_tokens: Option<u64>,
-    /// Anthropic's name.
-    #[serde(default)]
-    output_tokens: Option<u64>,
+/// What an answer's usage said, as far as it was found. A figure that is
+/// missing, `null`, negative, fractional or not a number reads as `None`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Learned {
+    /// Output tokens: `completion_tokens` (OpenAI, vLLM, SGLang) or
+    /// `output_tokens` (Anthropic, OpenAI responses); for a stream without
+    /// usage, the data events that carried choices.
+    pub output_tokens: Option<u64>,
+    /// Prompt tokens the engine found in its prefix cache:
+    /// `prompt_tokens_details.cached_tokens` (OpenAI, vLLM, SGLang),
+    /// `input_tokens_details.cached_tokens` (OpenAI responses) or
+    /// `cache_read_input_tokens` (Anthropic).
+    pub cached_tokens: Option<u64>,
+    /// The prompt by the engine's count, cached part included:
+    /// `prompt_tokens`, else `input_tokens` (plus Anthropic's
+    /// `cache_read_input_tokens` and `cache_creation_input_tokens`, which
+    /// its `input_tokens` leaves out).
+    pub prompt_tokens: Option<u64>,
 }
 
-impl Usage {
-    fn tokens(&self) -> Option<u64> {
-        self.completion_tokens.or(self.output_tokens)
+fn count(v: Option<&Value>) -> Option<u64> {
+    v.and_then(Value::as_u64)
+}
+
+impl Learned {
+    /// Takes the figures a `usage` object gives (a later one overrides an
+    /// earlier one: a stream's last usage is its final count). `output`:
+    /// whether its output count is final (not Anthropic's `message_start`,
+    /// whose `output_tokens` is a placeholder).
+    fn read_usage(&mut self, u: &Value, output: bool) {
+        if output {
+            if let Some(t) = count(u.get("completion_tokens")).or(count(u.get("output_tokens"))) {
+                self.output_tokens = Some(t);
+            }
+        }
+        let cache_read = count(u.get("cache_read_input_tokens"));
+        let cached = count(u.pointer("/prompt_tokens_details/cached_tokens"))
+            .or(cache_read)
+            .or(count(u.pointer("/input_tokens_details/cached_tokens")));
+        if let Some(c) = cached {
+            self.cached_tokens = Some(c);
+        }
+        let creation = count(u.get("cache_creation_input_tokens"));
+        let prompt = count(u.get("prompt_tokens")).or_else(|| {
+            let input = count(u.get("input_tokens"))?;
+            Some(
+                input
+                    .saturating_add(cache_read.unwrap_or(0))
+                    .saturating_add(creation.unwrap_or(0)),
+            )
+        });
+        if let Some(p) = prompt {
+            self.prompt_tokens = Some(p);
+        }
+    }
+
+    /// Takes what one parsed document says; whether it carried choices.
+    fn read_event(&mut self, ev: &Event) -> bool {
+        if let Some(u) = &ev.usage {
+            self.read_usage(u, true);
+        }
+        if let Some(u) = ev.message.as_ref().and_then(|m| m.get("usage")) {
+            self.read_usage(u, false);
+        }
+        ev.choices.is_some()
     }
 }
 
-/// Reads completion tokens from a response body as it streams past.
+/// Reads an answer's usage as its body streams past.
 #[derive(Debug)]
 pub enum Tracker {
     Json {
@@ -120,7 +198,7 @@ pub enum Tracker {
     Sse {
         line: Vec<u8>,
         events: u64,
-        usage: Option<u64>,
+        learned: Learned,
     },
     Off,
 }
@@ -133,7 +211,7 @@ impl Tracker {
             Tracker::Sse {
                 line: Vec::new(),
                 events: 0,
-                usage: None,
+                learned: Learned::default(),
             }
         } else if ct.starts_with("application/json") {
             Tracker::Json {
@@ -159,11 +237,11 @@ impl Tracker {
             Tracker::Sse {
                 line,
                 events,
-                usage,
+                learned,
             } => {
                 for &b in chunk {
                     if b == b'\n' {
-                        sse_line(line, events, usage);
+                        sse_line(line, events, learned);
                         line.clear();
                     } else if line.len() < MAX_LINE {
                         line.push(b);
@@ -174,31 +252,38 @@ impl Tracker {
         }
     }
 
-    /// Completion tokens, once the body has ended.
-    pub fn finish(&mut self) -> Option<u64> {
+    /// What the answer taught, once its body has ended.
+    pub fn finish(&mut self) -> Learned {
         match self {
             Tracker::Json { body, overflow } => {
-                if *overflow {
-                    return None;
+                let mut learned = Learned::default();
+                if !*overflow {
+                    if let Ok(ev) = serde_json::from_slice::<Event>(body) {
+                        learned.read_event(&ev);
+                    }
                 }
-                let parsed: WithUsage = serde_json::from_slice(body).ok()?;
-                parsed.usage.and_then(|u| u.tokens())
+                learned
             }
             Tracker::Sse {
                 line,
                 events,
-                usage,
+                learned,
             } => {
-                sse_line(line, events, usage);
+                sse_line(line, events, learned);
                 line.clear();
-                usage.or((*events > 0).then_some(*events))
+                let mut out = *learned;
+                if out.output_tokens.is_none() && *events > 0 {
+                    out.output_tokens = Some(*events);
+                }
+                out
             }
-            Tracker::Off => None,
+            Tracker::Off => Learned::default(),
         }
     }
 }
 
-fn sse_line(line: &[u8], events: &mut u64, usage: &mut Option<u64>) {
+/// One SSE line. A line cut at [`MAX_LINE`] is not JSON and teaches nothing.
+fn sse_line(line: &[u8], events: &mut u64, learned: &mut Learned) {
     let Some(data) = line.strip_prefix(b"data:") else {
         return;
     };
@@ -206,11 +291,8 @@ fn sse_line(line: &[u8], events: &mut u64, usage: &mut Option<u64>) {
     if data.is_empty() || data == b"[DONE]" {
         return;
     }
-    if let Ok(ev) = serde_json::from_slice::<WithUsage>(data) {
-        if let Some(t) = ev.usage.and_then(|u| u.tokens()) {
-            *usage = Some(t);
-        }
-        if ev.choices.is_some() {
+    if let Ok(ev) = serde_json::from_slice::<Event>(data) {
+        if learned.read_event(&ev) {
             *events += 1;
         }
     }
@@ -334,23 +416,34 @@ mod tests {
     }
     use crate::host::MemorySharedData;
 
+    fn read_all(content_type: &str, body: &[u8], chunk: usize) -> Learned {
+        let mut t = Tracker::for_content_type(Some(content_type));
+        for c in body.chunks(chunk.max(1)) {
+            t.feed(c);
+        }
+        t.finish()
+    }
+
     #[test]
     fn json_usage() {
-        let mut t = Tracker::for_content_type(Some("application/json; charset=utf-8"));
         let body = br#"{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":5,"completion_tokens":42}}"#;
-        let (a, b) = body.split_at(30);
-        t.feed(a);
-        t.feed(b);
-        assert_eq!(t.finish(), Some(42));
-        let mut t = Tracker::for_content_type(Some("application/json"));
-        t.feed(br#"{"usage":{"input_tokens":3,"output_tokens":7}}"#);
-        assert_eq!(t.finish(), Some(7), "Anthropic usage");
-        let mut t = Tracker::for_content_type(Some("application/json"));
-        t.feed(b"{broken");
-        assert_eq!(t.finish(), None);
+        let l = read_all("application/json; charset=utf-8", body, 30);
+        assert_eq!(l.output_tokens, Some(42));
+        assert_eq!(l.prompt_tokens, Some(5));
+        assert_eq!(l.cached_tokens, None, "no details: no cached figure");
+        let l = read_all(
+            "application/json",
+            br#"{"usage":{"input_tokens":3,"output_tokens":7}}"#,
+            64,
+        );
+        assert_eq!(l.output_tokens, Some(7), "Anthropic usage");
+        assert_eq!(
+            read_all("application/json", b"{broken", 64),
+            Learned::default()
+        );
         let mut t = Tracker::for_content_type(Some("application/json"));
         t.feed(&vec![b' '; MAX_JSON_BYTES + 1]);
-        assert_eq!(t.finish(), None);
+        assert_eq!(t.finish(), Learned::default());
         assert!(matches!(
             Tracker::for_content_type(Some("text/plain")),
             Tracker::Off
@@ -358,21 +451,155 @@ mod tests {
     }
 
     #[test]
+    fn json_cached_tokens_openai_vllm_sglang_anthropic() {
+        let openai = br#"{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":1200,"completion_tokens":9,"total_tokens":1209,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
+        for chunk in [1, 7, 4096] {
+            assert_eq!(
+                read_all("application/json", openai, chunk),
+                Learned {
+                    output_tokens: Some(9),
+                    cached_tokens: Some(1024),
+                    prompt_tokens: Some(1200)
+                },
+                "split into {chunk}-byte chunks"
+            );
+        }
+        // Anthropic: input_tokens leaves the cache reads and writes out.
+        let anthropic = br#"{"type":"message","content":[],"usage":{"input_tokens":20,"cache_creation_input_tokens":100,"cache_read_input_tokens":2000,"output_tokens":15}}"#;
+        assert_eq!(
+            read_all("application/json", anthropic, 16),
+            Learned {
+                output_tokens: Some(15),
+                cached_tokens: Some(2000),
+                prompt_tokens: Some(2120)
+            }
+        );
+        // OpenAI responses API.
+        let responses = br#"{"usage":{"input_tokens":300,"input_tokens_details":{"cached_tokens":256},"output_tokens":4}}"#;
+        let l = read_all("application/json", responses, 64);
+        assert_eq!((l.cached_tokens, l.prompt_tokens), (Some(256), Some(300)));
+    }
+
+    #[test]
+    fn missing_or_garbage_cached_figures_read_as_none() {
+        for usage in [
+            r#"{"prompt_tokens":10,"completion_tokens":3}"#,
+            r#"{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":null}"#,
+            r#"{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":null}}"#,
+            r#"{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":"512"}}"#,
+            r#"{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":-1}}"#,
+            r#"{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":1.5}}"#,
+            r#"{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":99999999999999999999999}}"#,
+            r#"{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":[1,2]}"#,
+            r#"{"prompt_tokens":10,"completion_tokens":3,"cache_read_input_tokens":{}}"#,
+        ] {
+            let body = format!(r#"{{"choices":[],"usage":{usage}}}"#);
+            let l = read_all("application/json", body.as_bytes(), 5);
+            assert_eq!(l.cached_tokens, None, "{usage}");
+            // The other figures are still read.
+            assert_eq!(
+                (l.output_tokens, l.prompt_tokens),
+                (Some(3), Some(10)),
+                "{usage}"
+            );
+        }
+        for body in [
+            r#"{"usage":"lots"}"#,
+            r#"{"usage":null}"#,
+            r#"{"usage":[]}"#,
+            r#"{"message":"hi","usage":7}"#,
+            r#"[]"#,
+            "",
+            "\u{0}\u{1}",
+        ] {
+            assert_eq!(
+                read_all("application/json", body.as_bytes(), 3),
+                Learned::default(),
+                "{body:?}"
+            );
+        }
+    }
+
+    #[test]
     fn sse_counts_events_or_reads_final_usage() {
         let stream = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\n\ndata: {\"choices\":[{\"delta\":{}}]}\n\ndata: [DONE]\n\n";
-        let mut t = Tracker::for_content_type(Some("text/event-stream"));
-        for chunk in stream.as_bytes().chunks(7) {
-            t.feed(chunk);
-        }
-        assert_eq!(t.finish(), Some(3));
+        let l = read_all("text/event-stream", stream.as_bytes(), 7);
+        assert_eq!(l.output_tokens, Some(3));
+        assert_eq!(l.cached_tokens, None);
         let with_usage =
             format!("{stream}data: {{\"choices\":[],\"usage\":{{\"completion_tokens\":9}}}}\n\n");
-        let mut t = Tracker::for_content_type(Some("text/event-stream"));
-        t.feed(with_usage.as_bytes());
-        assert_eq!(t.finish(), Some(9));
-        let mut t = Tracker::for_content_type(Some("text/event-stream"));
-        t.feed(b"data: not json\n\n: comment\n");
-        assert_eq!(t.finish(), None);
+        assert_eq!(
+            read_all("text/event-stream", with_usage.as_bytes(), 1 << 20).output_tokens,
+            Some(9)
+        );
+        assert_eq!(
+            read_all("text/event-stream", b"data: not json\n\n: comment\n", 4),
+            Learned::default()
+        );
+    }
+
+    #[test]
+    fn sse_late_usage_chunk_split_across_body_chunks() {
+        // vLLM with stream_options.include_usage: usage null on the token
+        // events, then one event with empty choices and the usage.
+        let stream = concat!(
+            "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}],\"usage\":null}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":null}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"b\"},\"finish_reason\":\"length\"}],\"usage\":null}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":700,\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":640}}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let want = Learned {
+            output_tokens: Some(2),
+            cached_tokens: Some(640),
+            prompt_tokens: Some(700),
+        };
+        for chunk in [1, 2, 3, 5, 13, 64, 4096] {
+            assert_eq!(
+                read_all("text/event-stream", stream.as_bytes(), chunk),
+                want,
+                "{chunk}-byte chunks"
+            );
+        }
+        // CRLF line ends, and a stream cut before its last newline.
+        let crlf = stream.replace('\n', "\r\n");
+        assert_eq!(read_all("text/event-stream", crlf.as_bytes(), 9), want);
+        let cut = stream.trim_end_matches("data: [DONE]\n\n").trim_end();
+        assert_eq!(read_all("text/event-stream", cut.as_bytes(), 11), want);
+        // A usage line longer than MAX_LINE is cut, not parsed: no figure.
+        let long = format!(
+            "data: {{\"choices\":[],\"pad\":\"{}\",\"usage\":{{\"prompt_tokens_details\":{{\"cached_tokens\":5}}}}}}\n\n",
+            "x".repeat(MAX_LINE)
+        );
+        assert_eq!(
+            read_all("text/event-stream", long.as_bytes(), 1000).cached_tokens,
+            None
+        );
+    }
+
+    #[test]
+    fn sse_anthropic_cache_read_in_message_start() {
+        let stream = concat!(
+            "event: message_start\n",
+            "data: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"content\":[],\"usage\":{\"input_tokens\":12,\"cache_creation_input_tokens\":0,\"cache_read_input_tokens\":4000,\"output_tokens\":1}}}\n\n",
+            "event: content_block_delta\n",
+            "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"hi\"}}\n\n",
+            "event: message_delta\n",
+            "data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":37}}\n\n",
+            "event: message_stop\n",
+            "data: {\"type\":\"message_stop\"}\n\n",
+        );
+        for chunk in [1, 10, 4096] {
+            assert_eq!(
+                read_all("text/event-stream", stream.as_bytes(), chunk),
+                Learned {
+                    // message_start's output_tokens (1) is a placeholder.
+                    output_tokens: Some(37),
+                    cached_tokens: Some(4000),
+                    prompt_tokens: Some(4012)
+                }
+            );
+        }
     }
 
     #[test]

@@ -28,13 +28,14 @@ use std::time::Instant;
 
 use xxhash_rust::xxh64::xxh64;
 
+use kvroute_core::answers::{self, Expectation};
 use kvroute_core::decide::{self, FleetInput};
 use kvroute_core::fleet::{HostState, Snapshot, SNAPSHOT_VERSION};
 use kvroute_core::host::{MemorySharedData, Tally};
 use kvroute_core::index::IndexCache;
 use kvroute_core::ingest::{self, FleetCache};
 use kvroute_core::load::Charge;
-use kvroute_core::usage::{self, PriorCache};
+use kvroute_core::usage::{self, Learned, PriorCache};
 use kvroute_core::{Config, Endpoint};
 use kvroute_sim::engine::sched::{Reading, Scheduler, Summary};
 use kvroute_sim::engine::{block_hashes, BLOCK_TOKENS};
@@ -64,6 +65,12 @@ pub struct Ticket {
     pub charge: Option<Charge>,
     /// kvroute: the stream's id (one response in four teaches the prior).
     pub stream: u32,
+    /// kvroute: the gateway worker that decided (its index cache learns
+    /// from the answer).
+    pub worker: usize,
+    /// kvroute: the prefix hit the decision expected on its primary, when
+    /// it expected one (compared with the engine's cached tokens at the end).
+    pub expectation: Option<Expectation>,
     pub prompt_tokens: u64,
     /// Dynamo: the prompt's engine blocks.
     pub blocks: Vec<u64>,
@@ -403,6 +410,10 @@ impl Router for Kvroute {
             view.as_deref().map(|view| FleetInput { view, now_ms }),
             u64::from(stream),
         );
+        let expectation = facts
+            .as_ref()
+            .ok()
+            .and_then(|f| Expectation::of(f, &d, now_ms));
         self.decision_ns
             .push(u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX));
         let Some(primary) = d.targets.first() else {
@@ -424,6 +435,8 @@ impl Router for Kvroute {
             engine,
             charge,
             stream,
+            worker: pick,
+            expectation,
             prompt_tokens: req.prompt_tokens as u64,
             blocks: Vec::new(),
         })
@@ -435,7 +448,7 @@ impl Router for Kvroute {
         }
     }
 
-    fn finished(&mut self, gw: usize, t: &Ticket, u: &Summary, _now_s: f64) {
+    fn finished(&mut self, gw: usize, t: &Ticket, u: &Summary, now_s: f64) {
         if let Some(c) = t.charge {
             // The prompt part went at the first byte (if there was one).
             let prefill = if u.completion_tokens > 0 {
@@ -455,6 +468,29 @@ impl Router for Kvroute {
                 );
             }
         }
+        // The filter reads the answer's usage; a failed request has none.
+        let read = answers::read_answer(t.stream, t.expectation.as_ref());
+        if let (true, true, Some(exp)) = (read, u.completion_tokens > 0, &t.expectation) {
+            let learned = Learned {
+                output_tokens: Some(u.completion_tokens as u64),
+                cached_tokens: Some(u.cached_tokens as u64),
+                prompt_tokens: Some(u.prompt_tokens as u64),
+            };
+            let now_ms = self.now_ms(now_s);
+            if let Some(g) = self.gateways.get_mut(gw) {
+                if let Some(w) = g.workers.get_mut(t.worker) {
+                    answers::learn(
+                        &self.cfg,
+                        &g.store,
+                        &g.metrics,
+                        &mut w.index,
+                        exp,
+                        &learned,
+                        now_ms,
+                    );
+                }
+            }
+        }
     }
 
     fn decision_ns(&mut self) -> Vec<u64> {
@@ -465,6 +501,10 @@ impl Router for Kvroute {
         let mut out = BTreeMap::new();
         for g in &self.gateways {
             for (c, n) in g.metrics.drain() {
+                *out.entry(c.name().to_owned()).or_insert(0) += n;
+            }
+            // The per-replica series, summed over the replicas.
+            for (_, c, n) in g.metrics.drain_replicas() {
                 *out.entry(c.name().to_owned()).or_insert(0) += n;
             }
         }
