@@ -28,7 +28,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use kvroute_core::answers::{self, Expectation};
 use kvroute_core::config::Role;
-use kvroute_core::decide::{self, Decision, FleetInput, Unparsed};
+use kvroute_core::decide::{self, Decision, Unparsed};
 use kvroute_core::host::{header_text, Counter, Gauge, Metrics, Tally};
 use kvroute_core::index::IndexCache;
 use kvroute_core::ingest::{self, FleetCache, Outcome, Refresh, INGEST_PATH};
@@ -289,7 +289,8 @@ impl Stream {
             &shared.tally,
             &mut cache,
             facts.as_ref().map_err(|u| *u),
-            view.as_deref().map(|view| FleetInput { view, now_ms: now }),
+            view.as_deref(),
+            now,
             u64::from(self.id),
         );
         drop(cache);

@@ -146,7 +146,8 @@ def test_shared_long_prefix_colocates(stack):
 def test_hot_key_spills_under_load(stack):
     """12 concurrent 20 KB requests of one session, each held 1.5 s by the
     replica: the session's replica exceeds (1+epsilon) x average and the
-    rest spill to other replicas."""
+    rest spill to other replicas. Afterwards the session follows its prompt
+    to the replica the prefix index last saw it sent to."""
     session = "hot-session"
     prompt = filler("hot", 20_000)
     body = chat_body(user_text=prompt, max_tokens=512)
@@ -173,11 +174,22 @@ def test_hot_key_spills_under_load(stack):
     assert all(r.served_by == home.served_by for r in replies if r.reason == "session")
     assert all(r.served_by != home.served_by for r in replies if r.reason == "spill")
 
-    # Load is released when responses finish: the session goes home again.
+    # Load is released when responses finish. The session then goes where the
+    # prefix index last saw its prompt sent: a replica it spilled to (the
+    # index keeps one replica per block, last writer wins, and the last
+    # decisions of the burst were spills), whose evidence of the whole prompt
+    # outweighs the share assumed cached at the home. The same rule as with a
+    # fleet snapshot (crates/kvroute-core/src/decide.rs, module doc). It
+    # stays there, and expects its prompt cached there.
+    spilled_to = {r.served_by for r in replies if r.reason == "spill"}
+    after = []
     for _ in range(3):
         r = send(stack.gateway_url, CHAT, json_body=body, session=session)
         check_routed(r, stack, "session")
-        assert r.served_by == home.served_by, r.describe()
+        assert int(r.decision.get("expected_cached", "0")) > 0, r.describe()
+        after.append(r)
+    assert len({r.served_by for r in after}) == 1, [r.describe() for r in after]
+    assert after[0].served_by in spilled_to, (after[0].describe(), spilled_to)
 
 
 # -------------------------------------------------------------- fallbacks

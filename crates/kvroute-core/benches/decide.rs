@@ -6,14 +6,14 @@
 #![allow(clippy::indexing_slicing, clippy::unwrap_used)]
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvroute_core::decide::{analyze, pick_fleet, pick_for};
+use kvroute_core::decide::{analyze, pick};
 use kvroute_core::fleet::{FleetView, HostState, Snapshot, SNAPSHOT_VERSION};
 use kvroute_core::load::LoadTable;
 use kvroute_core::Endpoint;
 use std::hint::black_box;
 
 mod common;
-use common::{chat_body, config};
+use common::{chat_body, config, loads};
 
 fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("decide");
@@ -22,13 +22,12 @@ fn bench(c: &mut Criterion) {
         group.throughput(Throughput::Bytes(body.len() as u64));
         for hosts in [8usize, 256] {
             let Some(cfg) = config(hosts) else { continue };
-            // Uneven in-flight load so that bounded load has work to do.
-            let loads: Vec<u64> = (0..hosts as u64).map(|i| (i * 7919) % 50_000).collect();
+            let table = loads(&cfg);
             let id = BenchmarkId::new(format!("{}KB", size >> 10), format!("{hosts}hosts"));
             group.bench_with_input(id, &body, |b, body| {
                 b.iter(|| {
                     let facts = analyze(&cfg, Endpoint::ChatCompletions, None, black_box(body));
-                    facts.map(|f| pick_for(&cfg, &f, black_box(&loads)).pick)
+                    facts.map(|f| pick(&cfg, &f, None, black_box(&table), &[], 0).pick)
                 })
             });
         }
@@ -96,7 +95,7 @@ fn bench_fleet_pick(c: &mut Criterion) {
                 b.iter(|| {
                     let facts = analyze(&cfg, Endpoint::ChatCompletions, None, black_box(body));
                     facts
-                        .map(|f| pick_fleet(&cfg, &f, &view, &table, &hits, 1_764_400_000_100).pick)
+                        .map(|f| pick(&cfg, &f, Some(&view), &table, &hits, 1_764_400_000_100).pick)
                 })
             },
         );

@@ -1,5 +1,5 @@
 //! The decision alone, timed with `std::time::Instant`: the same work as the
-//! criterion group `decide/` in benches/decide.rs (`analyze` + `pick_for` on
+//! criterion group `decide/` in benches/decide.rs (`analyze` + `pick` without a snapshot on
 //! real-shaped chat bodies of 1 KB, 32 KB and 128 KB, 8 and 256 hosts), in a
 //! plain loop so that it also runs as a wasm32-wasip1 program under a WASI
 //! host. Criterion does not build for wasm32; this does, so the native build
@@ -24,7 +24,8 @@
 
 #![allow(clippy::indexing_slicing)]
 
-use kvroute_core::decide::{analyze, pick_for};
+use kvroute_core::decide::{analyze, pick};
+use kvroute_core::load::LoadTable;
 use kvroute_core::{Config, Endpoint};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -33,7 +34,7 @@ use std::time::{Duration, Instant};
 // not build for wasm32).
 #[path = "../benches/common/mod.rs"]
 mod common;
-use common::{chat_body, config};
+use common::{chat_body, config, loads};
 
 struct Plan {
     warmup: Duration,
@@ -42,19 +43,21 @@ struct Plan {
 }
 
 /// One decision, exactly the closure criterion times in benches/decide.rs.
-fn decide(cfg: &Config, body: &[u8], loads: &[u64]) -> Option<usize> {
+fn decide(cfg: &Config, body: &[u8], table: &LoadTable) -> Option<usize> {
     let facts = analyze(cfg, Endpoint::ChatCompletions, None, black_box(body));
-    facts
-        .ok()
-        .and_then(|f| pick_for(cfg, &f, black_box(loads)).pick.map(|p| p.primary))
+    facts.ok().and_then(|f| {
+        pick(cfg, &f, None, black_box(table), &[], 0)
+            .pick
+            .map(|p| p.primary)
+    })
 }
 
-fn time_case(plan: &Plan, cfg: &Config, body: &[u8], loads: &[u64]) -> (Vec<f64>, u64) {
+fn time_case(plan: &Plan, cfg: &Config, body: &[u8], table: &LoadTable) -> (Vec<f64>, u64) {
     // Warm-up, which also sizes a batch: iterations per `plan.batch`.
     let start = Instant::now();
     let mut n = 0u64;
     while start.elapsed() < plan.warmup || n < 10 {
-        black_box(decide(cfg, body, loads));
+        black_box(decide(cfg, body, table));
         n += 1;
     }
     let per = start.elapsed().as_secs_f64() / n as f64;
@@ -63,7 +66,7 @@ fn time_case(plan: &Plan, cfg: &Config, body: &[u8], loads: &[u64]) -> (Vec<f64>
     for _ in 0..plan.batches {
         let t = Instant::now();
         for _ in 0..iters {
-            black_box(decide(cfg, body, loads));
+            black_box(decide(cfg, body, table));
         }
         means.push(t.elapsed().as_secs_f64() * 1e9 / iters as f64);
     }
@@ -105,12 +108,12 @@ fn main() {
                 std::process::exit(1);
             };
             // Uneven in-flight load so that bounded load has work to do (as in the bench).
-            let loads: Vec<u64> = (0..hosts as u64).map(|i| (i * 7919) % 50_000).collect();
-            if decide(&cfg, &body, &loads).is_none() {
+            let table = loads(&cfg);
+            if decide(&cfg, &body, &table).is_none() {
                 eprintln!("decide_timing: no pick for {size} bytes, {hosts} hosts");
                 std::process::exit(1);
             }
-            let (means, iters) = time_case(&plan, &cfg, &body, &loads);
+            let (means, iters) = time_case(&plan, &cfg, &body, &table);
             let median = means[means.len() / 2];
             println!(
                 "{{\"case\":\"{}KB/{hosts}hosts\",\"engine\":\"{engine}\",\"body_bytes\":{},\"hosts\":{hosts},\

@@ -20,7 +20,7 @@
 
 #![allow(clippy::indexing_slicing, clippy::unwrap_used, clippy::expect_used)]
 
-use kvroute_core::decide::{self, analyze, FleetInput};
+use kvroute_core::decide::{self, analyze};
 use kvroute_core::fleet::{HostState, Snapshot, SNAPSHOT_VERSION};
 use kvroute_core::host::{MemorySharedData, Tally};
 use kvroute_core::index::IndexCache;
@@ -117,10 +117,8 @@ fn main() {
             &tally,
             &mut cache,
             facts.as_ref().map_err(|u| *u),
-            Some(FleetInput {
-                view: &view,
-                now_ms: t,
-            }),
+            Some(&view),
+            t,
             i as u64,
         );
         if i == 0 {

@@ -32,9 +32,54 @@
 //! expects there (the prompt less what the prefix index says is cached),
 //! released at the first response byte, and the KV memory it will hold
 //! ([`Facts::memory`]: the prompt and half the expected output), released
-//! at the end of the stream. With a fleet snapshot the replica is chosen by
-//! predicted cost ([`crate::score`]); without one, by bounded load on
-//! memory over the configured hosts' preference order.
+//! at the end of the stream.
+//!
+//! # One pipeline, with or without fleet state
+//!
+//! A parsed request is placed by [`pick`]: a list of replicas, each with
+//! the inputs of its score (prefill pending, memory held, KV capacity and
+//! utilisation, headroom), then one scoring and one bounded-load pick
+//! ([`crate::score`]). Only the list differs:
+//!
+//! - with a fleet snapshot, the snapshot's replicas that may take the
+//!   request (ready, serving its model), with their engine data;
+//! - without one (foundation mode), the configured hosts, none with engine
+//!   data: each is judged on the gateway's own figures, exactly as a
+//!   snapshot replica whose data is stale (pending = the gateway's pending
+//!   prefill there, memory = its memory held, no capacity so the
+//!   bounded-load floor is `loadFloorTokens`, the whole `recomputeWeight`,
+//!   and headroom, so the key's home is its rendezvous top over the
+//!   hosts). Such decisions count as degraded. A property test checks that
+//!   no snapshot and a snapshot of the same hosts with only stale data
+//!   decide alike.
+//!
+//! On an idle gateway this is the rendezvous pick it always was: the home
+//! costs the least (its assumed cached share), the other replicas tie and
+//! follow in rendezvous order, and the golden vectors
+//! (`tests/vectors.rs`) did not change. Under load the order after the
+//! home is the gateway's pending prefill, then the rendezvous rank, and a
+//! key leaves its home when its pending prefill costs more than the cache
+//! saves there, or when bounded load on memory moves it (reason `spill`).
+//!
+//! The prefix index ([`crate::index`]) is used in both modes. It lives in
+//! shared data, records what this gateway sent where, and needs no
+//! snapshot; it is the gateway's own evidence, not engine data. Without it
+//! the cost would mislead: the pending prefill charged to a replica is the
+//! prompt less what the index expects cached there, so without the index
+//! each request of a hot conversation would count its whole prompt as
+//! pending at the home where most of it is cached, and the home would look
+//! busier than it is by that much per request in flight. In
+//! `a_hot_session_stays_home_until_bounded_load` (about 5000-token
+//! prompts) the fifth concurrent request then left its home by cost, under
+//! its own reason, before bounded load would have moved it; with the index
+//! it stays home until bounded load spills it, as the foundation pick did.
+//! The index also places requests that share a long prefix but not the
+//! affinity key (different sessions over one document) where the prefix
+//! was sent, and gives answers something to check ([`crate::answers`]:
+//! an engine that evicted the prefix removes the entries). Its cost is a
+//! lookup and a record per parsed request in shared data (the worker's
+//! [`IndexCache`] saves most reads), as with a snapshot; not measured for
+//! foundation mode separately.
 
 use xxhash_rust::xxh64::xxh64;
 
@@ -42,7 +87,7 @@ use crate::config::Config;
 use crate::fleet::{FleetHost, FleetView};
 use crate::hash::{model_seed, BlockHasher};
 use crate::host::{Counter, Gauge, Metrics, SharedData};
-use crate::index::{Index, IndexCache, Seen};
+use crate::index::{Index, IndexCache};
 use crate::load::{self, Charge, LoadTable};
 use crate::picker::{self, Bounds, HostSet, Pick};
 use crate::request::{self, CanonicalSink, Endpoint, ParseError};
@@ -318,64 +363,13 @@ pub struct Decision {
     pub expected_cached: u64,
 }
 
-/// Picks for parsed facts against the given loads (memory held per
-/// configured host, no accounting): the foundation pick, with no fleet
-/// snapshot.
-pub fn pick_for(cfg: &Config, facts: &Facts, loads: &[u64]) -> Decision {
-    let key = facts.affinity.key();
-    let pick = picker::pick(&cfg.hosts, key, loads, facts.cost(), bounds(cfg));
-    decision(&cfg.hosts, facts, pick, true, |_| facts.input_tokens)
-}
-
+/// The bounded-load parameters of a decision. The floor is per replica
+/// ([`Candidate::floor`]), so the shared one is 0.
 fn bounds(cfg: &Config) -> Bounds {
     Bounds {
         epsilon: cfg.epsilon,
-        floor: cfg.load_floor_tokens,
+        floor: 0,
         fallbacks: cfg.fallbacks,
-    }
-}
-
-/// The decision for a pick over `hosts` (the routing universe it indexes),
-/// with the charge for its primary: `prefill(primary)` tokens pending until
-/// the first byte, prompt and output held until the end.
-fn decision(
-    hosts: &HostSet,
-    facts: &Facts,
-    pick: Option<Pick>,
-    degraded: bool,
-    prefill: impl Fn(usize) -> u64,
-) -> Decision {
-    let key = Some(facts.affinity.key());
-    let Some(p) = pick else {
-        return Decision {
-            reason: Reason::NoHosts,
-            pick: None,
-            targets: Vec::new(),
-            degraded,
-            key,
-            charge: None,
-            expected_cached: 0,
-        };
-    };
-    let reason = match (p.spilled, facts.affinity) {
-        (true, _) => Reason::Spill,
-        (false, Affinity::Session(_)) => Reason::Session,
-        (false, Affinity::Prefix(_)) => Reason::Prefix,
-    };
-    let uncached = prefill(p.primary);
-    let charge = hosts.get(p.primary).map(|h| Charge {
-        host: h.id,
-        prefill: uncached,
-        memory: facts.memory(),
-    });
-    Decision {
-        reason,
-        targets: targets(hosts, &p),
-        pick: Some(p),
-        degraded,
-        key,
-        charge,
-        expected_cached: facts.input_tokens.saturating_sub(uncached),
     }
 }
 
@@ -386,34 +380,63 @@ fn targets(hosts: &HostSet, p: &Pick) -> Vec<String> {
         .collect()
 }
 
-/// What one replica looks like to a decision.
+/// What one replica looks like to a decision: the inputs of its score.
 struct Replica {
+    /// Position in the routing universe (the snapshot's or the configured
+    /// host list).
     index: usize,
     id: u64,
+    /// Its engine data is current.
     fresh: bool,
-    /// Headroom by the snapshot alone (the same on every gateway).
+    /// Headroom by the snapshot alone (the same on every gateway); true
+    /// where nothing is known of the engine.
     headroom: bool,
     pending: u64,
     memory: u64,
     capacity: Option<u64>,
-    /// The snapshot's KV utilisation (0 when stale).
+    /// The snapshot's KV utilisation (0 without current engine data).
     kv: f64,
 }
 
-/// Scores the snapshot's replicas for parsed facts and picks among them
-/// (see [`crate::score`]). `hits` is the prefix index's answer, `table` the
-/// gateway's load.
-pub fn pick_fleet(
+impl Replica {
+    /// A replica with no engine data: no snapshot at all, or stale metrics.
+    /// It is judged on the gateway's own figures (what it sent there:
+    /// prefill pending, memory held) and may be a home.
+    fn unobserved(index: usize, id: u64, table: &LoadTable) -> Replica {
+        let gw = table.entry(id);
+        Replica {
+            index,
+            id,
+            fresh: false,
+            headroom: true,
+            pending: gw.prefill,
+            memory: gw.memory,
+            capacity: None,
+            kv: 0.0,
+        }
+    }
+}
+
+/// The configured hosts as replicas, none with engine data.
+fn configured(hosts: &HostSet, table: &LoadTable) -> Vec<Replica> {
+    hosts
+        .iter()
+        .enumerate()
+        .map(|(index, h)| Replica::unobserved(index, h.id, table))
+        .collect()
+}
+
+/// The snapshot's replicas that may take the request (ready, serving its
+/// model; see [`Standing`]), and whether any of them has stale data.
+fn observed(
     cfg: &Config,
     facts: &Facts,
     view: &FleetView,
     table: &LoadTable,
-    hits: &[(u64, u32)],
     now_ms: u64,
-) -> Decision {
+) -> (Vec<Replica>, bool) {
     let f = &cfg.fleet;
     let view_age = view.age_ms(now_ms);
-    let key = facts.affinity.key();
     // One pass over the fleet: the standing first (a few field reads), the
     // model list only for replicas that are not out. (Measured cheaper than
     // two passes without this list: callgrind, examples/request_path.rs.)
@@ -428,66 +451,115 @@ pub fn pick_fleet(
         .collect();
     let wanted = wanted(|s| serving.iter().any(|&(_, t)| t == s));
     let mut degraded = false;
-    let mut seen = Vec::with_capacity(serving.len());
+    let mut replicas = Vec::with_capacity(serving.len());
     for &(index, _) in serving.iter().filter(|&&(_, s)| s == wanted) {
         let (Some(host), Some(id)) = (view.hosts.get(index), view.set.get(index)) else {
             continue;
         };
         let st = &host.state;
+        let capacity = st.kv_capacity_tokens.filter(|&c| c > 0);
         // Stale metrics say nothing reliable about load: such a replica is
-        // judged on the gateway's own figures, and Envoy's retries cover it
-        // if it is gone.
-        let fresh = host.age_ms(view_age) <= f.stale_after_ms;
-        degraded |= !fresh;
+        // judged on the gateway's own figures, as without a snapshot (only
+        // its capacity, which does not change, is still used), and Envoy's
+        // retries cover it if it is gone.
+        if host.age_ms(view_age) > f.stale_after_ms {
+            degraded = true;
+            replicas.push(Replica {
+                capacity,
+                ..Replica::unobserved(index, id.id, table)
+            });
+            continue;
+        }
         let gw = table.entry(id.id);
-        let (pending, engine_memory) = if fresh {
-            let waiting = u64::from(st.waiting).saturating_mul(f.waiting_request_tokens);
-            let pending = waiting.max(gw.prefill);
-            // The engine's KV in use, plus what waits to be admitted (not
-            // in its KV yet).
-            let kv = st
-                .kv_capacity_tokens
-                .map(|c| (st.kv_utilization.clamp(0.0, 1.0) * c as f64) as u64);
-            (pending, kv.map(|kv| kv.saturating_add(pending)))
-        } else {
-            (gw.prefill, None)
-        };
-        seen.push(Replica {
+        let waiting = u64::from(st.waiting).saturating_mul(f.waiting_request_tokens);
+        let pending = waiting.max(gw.prefill);
+        // The engine's KV in use, plus what waits to be admitted (not in
+        // its KV yet).
+        let engine_memory = st.kv_capacity_tokens.map(|c| {
+            ((st.kv_utilization.clamp(0.0, 1.0) * c as f64) as u64).saturating_add(pending)
+        });
+        replicas.push(Replica {
             index,
             id: id.id,
-            fresh,
-            headroom: !fresh
-                || (st.kv_utilization < f.kv_pressure && st.waiting < f.queue_pressure),
+            fresh: true,
+            headroom: st.kv_utilization < f.kv_pressure && st.waiting < f.queue_pressure,
             pending,
             memory: engine_memory.unwrap_or(0).max(gw.memory),
-            capacity: st.kv_capacity_tokens.filter(|&c| c > 0),
-            kv: if fresh {
-                st.kv_utilization.clamp(0.0, 1.0)
-            } else {
-                0.0
-            },
+            capacity,
+            kv: st.kv_utilization.clamp(0.0, 1.0),
         });
     }
+    (replicas, degraded)
+}
+
+/// The share of the prompt the prefix index expects cached on `id`.
+fn indexed_share(hits: &[(u64, u32)], id: u64, blocks: usize) -> f64 {
+    hits.iter()
+        .find(|(h, _)| *h == id)
+        .map_or(0.0, |&(_, d)| f64::from(d) / blocks.max(1) as f64)
+        .min(1.0)
+}
+
+/// What the gateway counts as pending on `id` until the first byte: the
+/// prompt less what its own index knows is cached there (not the home's
+/// assumed share: a hot key's home would look idle), at least one token.
+fn uncached_by_index(facts: &Facts, hits: &[(u64, u32)], id: u64) -> u64 {
+    let share = indexed_share(hits, id, facts.blocks.len());
+    ((facts.input_tokens as f64 * (1.0 - share)) as u64).max(1)
+}
+
+/// Picks a replica for parsed facts: the one decision pipeline
+/// ([`crate::score`]). With a snapshot the candidates are its replicas
+/// that may take the request, scored on their engine data; without one,
+/// the configured hosts, none with engine data, scored on `table` (the
+/// gateway's load) alone. `hits` is the prefix index's answer for the
+/// request's blocks. No accounting: [`route`] charges the result.
+pub fn pick(
+    cfg: &Config,
+    facts: &Facts,
+    fleet: Option<&FleetView>,
+    table: &LoadTable,
+    hits: &[(u64, u32)],
+    now_ms: u64,
+) -> Decision {
+    match fleet {
+        Some(view) => {
+            let (replicas, degraded) = observed(cfg, facts, view, table, now_ms);
+            scored(cfg, facts, &view.set, &replicas, hits, degraded)
+        }
+        None => {
+            let replicas = configured(&cfg.hosts, table);
+            scored(cfg, facts, &cfg.hosts, &replicas, hits, true)
+        }
+    }
+}
+
+/// Scores `replicas` (positions in `hosts`) and picks among them under
+/// bounded load; the decision charges the primary.
+fn scored(
+    cfg: &Config,
+    facts: &Facts,
+    hosts: &HostSet,
+    replicas: &[Replica],
+    hits: &[(u64, u32)],
+    degraded: bool,
+) -> Decision {
+    let f = &cfg.fleet;
+    let key = facts.affinity.key();
     // The key's home: its rendezvous top among the replicas with headroom;
     // for a request that continues a conversation, among them all (the
     // conversation is there; the cost moves it if it must).
-    let home = seen
+    let home = replicas
         .iter()
         .filter(|r| r.headroom || facts.continues)
         .max_by_key(|r| picker::rank(key, r.id))
         .map(|r| r.id);
-    let blocks = facts.blocks.len().max(1) as f64;
     let input = facts.input_tokens as f64;
     let need = facts.memory();
-    let mut uncached_of = Vec::with_capacity(seen.len());
-    let cands: Vec<Candidate> = seen
+    let cands: Vec<Candidate> = replicas
         .iter()
         .map(|r| {
-            let indexed = hits
-                .iter()
-                .find(|(h, _)| *h == r.id)
-                .map_or(0.0, |&(_, d)| f64::from(d) / blocks)
-                .min(1.0);
+            let indexed = indexed_share(hits, r.id, facts.blocks.len());
             // The home is assumed to hold what every gateway sent there
             // under this key; the index's own evidence elsewhere wins when
             // it is deeper.
@@ -497,13 +569,9 @@ pub fn pick_fleet(
                 indexed
             };
             let uncached = input * (1.0 - share);
-            // What the gateway counts as pending there until the first
-            // byte: the prompt less what its own index knows is cached (not
-            // the home's assumed share: a hot key's home would look idle),
-            // at least one token.
-            uncached_of.push((r.index, ((input * (1.0 - indexed)) as u64).max(1)));
             // Predicted KV use; without a capacity, the engine's own
-            // utilisation (this request's share unknown).
+            // utilisation (this request's share unknown; 0 without
+            // engine data, so no memory term).
             let used = r
                 .capacity
                 .map_or(r.kv, |c| r.memory.saturating_add(need) as f64 / c as f64);
@@ -511,8 +579,8 @@ pub fn pick_fleet(
             let memory_term = f.memory_seconds * over * over;
             // A prefix computed again costs others only where memory is in
             // demand: the whole weight from `recomputeFullKv` of predicted
-            // use, in proportion below it. Stale data says nothing of the
-            // replica's memory: the whole weight.
+            // use, in proportion below it. Without engine data nothing is
+            // known of the replica's memory: the whole weight.
             let weight = if r.fresh && f.recompute_full_kv > 0.0 {
                 f.recompute_weight * (used / f.recompute_full_kv).clamp(0.0, 1.0)
             } else {
@@ -531,17 +599,39 @@ pub fn pick_fleet(
             }
         })
         .collect();
-    let bounds = Bounds {
-        floor: 0,
-        ..bounds(cfg)
+    let pick = score::pick_scored(&cands, key, need, f.cost_quantum_s, bounds(cfg));
+    let key = Some(key);
+    let Some(p) = pick else {
+        return Decision {
+            reason: Reason::NoHosts,
+            pick: None,
+            targets: Vec::new(),
+            degraded,
+            key,
+            charge: None,
+            expected_cached: 0,
+        };
     };
-    let pick = score::pick_scored(&cands, key, need, f.cost_quantum_s, bounds);
-    decision(&view.set, facts, pick, degraded, |i| {
-        uncached_of
-            .iter()
-            .find(|&&(k, _)| k == i)
-            .map_or(facts.input_tokens, |&(_, u)| u)
-    })
+    let reason = match (p.spilled, facts.affinity) {
+        (true, _) => Reason::Spill,
+        (false, Affinity::Session(_)) => Reason::Session,
+        (false, Affinity::Prefix(_)) => Reason::Prefix,
+    };
+    let primary = hosts.get(p.primary);
+    let uncached = primary.map_or(facts.input_tokens, |h| uncached_by_index(facts, hits, h.id));
+    Decision {
+        reason,
+        targets: targets(hosts, &p),
+        pick: Some(p),
+        degraded,
+        key,
+        charge: primary.map(|h| Charge {
+            host: h.id,
+            prefill: uncached,
+            memory: facts.memory(),
+        }),
+        expected_cached: facts.input_tokens.saturating_sub(uncached),
+    }
 }
 
 fn publish_totals(metrics: &dyn Metrics, table: &LoadTable) {
@@ -590,24 +680,16 @@ fn wanted(any: impl Fn(Standing) -> bool) -> Standing {
 }
 
 /// The snapshot's replicas that may take any request (see [`Standing`]).
-fn usable_hosts(cfg: &Config, f: FleetInput<'_>) -> HostSet {
-    let view_age = f.view.age_ms(f.now_ms);
+fn usable_hosts(cfg: &Config, view: &FleetView, now_ms: u64) -> HostSet {
+    let view_age = view.age_ms(now_ms);
     let is = |h: &FleetHost, s: Standing| standing(cfg, h, view_age) == s;
-    let want = wanted(|s| f.view.hosts.iter().any(|h| is(h, s)));
+    let want = wanted(|s| view.hosts.iter().any(|h| is(h, s)));
     HostSet::new(
-        f.view
-            .hosts
+        view.hosts
             .iter()
             .filter(|h| is(h, want))
             .map(|h| h.state.address.clone()),
     )
-}
-
-/// Fleet state for a decision: the decoded snapshot and the gateway's clock.
-#[derive(Debug, Clone, Copy)]
-pub struct FleetInput<'a> {
-    pub view: &'a FleetView,
-    pub now_ms: u64,
 }
 
 /// Decides for one request and charges its cost to the chosen host, in one
@@ -615,35 +697,32 @@ pub struct FleetInput<'a> {
 /// other's picks). If the table cannot be updated the decision is still made,
 /// on the loads last read, without accounting, and counted.
 ///
-/// With a fleet snapshot the snapshot's replicas are scored
-/// ([`pick_fleet`]) and the request's prefix is recorded in the prefix index
-/// under its primary; without one, the foundation pick over the configured
-/// hosts runs ([`pick_for`]). `cache` is the worker's copy of recently read
-/// index slots.
+/// A parsed request is placed by [`pick`], over the snapshot's replicas
+/// when `fleet` holds a decoded snapshot, else over the configured hosts,
+/// with the prefix index's answer either way; its prefix is then recorded
+/// in the index under its primary. `now_ms` is the gateway's clock, `cache`
+/// the worker's copy of recently read index slots.
+#[allow(clippy::too_many_arguments)]
 pub fn route(
     cfg: &Config,
     store: &dyn SharedData,
     metrics: &dyn Metrics,
     cache: &mut IndexCache,
     facts: Result<&Facts, Unparsed>,
-    fleet: Option<FleetInput<'_>>,
+    fleet: Option<&FleetView>,
+    now_ms: u64,
     tiebreak: u64,
 ) -> Decision {
+    let hosts = fleet.map_or(&cfg.hosts, |v| &v.set);
     let decision = match facts {
         Ok(facts) => {
-            let index = fleet.map(|_| Index {
+            let index = Index {
                 slots: cfg.fleet.prefix_index_slots,
                 ttl_ms: cfg.fleet.prefix_ttl_ms,
                 key_prefix: &cfg.fleet.index_key_prefix,
-            });
-            let (hits, seen) = match (index, fleet) {
-                (Some(ix), Some(f)) => ix.lookup_seen(store, cache, &facts.blocks, f.now_ms),
-                _ => (Vec::new(), Seen::default()),
             };
-            let decide = |table: &LoadTable| match fleet {
-                Some(f) => pick_fleet(cfg, facts, f.view, table, &hits, f.now_ms),
-                None => pick_for(cfg, facts, &table.loads_for(&cfg.hosts)),
-            };
+            let (hits, seen) = index.lookup_seen(store, cache, &facts.blocks, now_ms);
+            let decide = |table: &LoadTable| pick(cfg, facts, fleet, table, &hits, now_ms);
             let result = load::update(store, &cfg.load_key, |table| {
                 let d = decide(table);
                 if let Some(c) = d.charge {
@@ -664,10 +743,8 @@ pub fn route(
                     }
                 }
             };
-            if let (Some(ix), Some(f), Some(p)) = (index, fleet, d.pick.as_ref()) {
-                if let Some(h) = f.view.set.get(p.primary) {
-                    ix.record_after(store, cache, &facts.blocks, h.id, f.now_ms, &seen);
-                }
+            if let Some(h) = d.pick.as_ref().and_then(|p| hosts.get(p.primary)) {
+                index.record_after(store, cache, &facts.blocks, h.id, now_ms, &seen);
             }
             d
         }
@@ -677,11 +754,11 @@ pub fn route(
             // Unparsed requests have no model: any usable replica.
             let usable;
             let hosts = match fleet {
-                Some(f) => {
-                    usable = usable_hosts(cfg, f);
+                Some(view) => {
+                    usable = usable_hosts(cfg, view, now_ms);
                     &usable
                 }
-                None => &cfg.hosts,
+                None => hosts,
             };
             let pick =
                 picker::pick_least_loaded(hosts, &table.loads_for(hosts), tiebreak, cfg.fallbacks);
@@ -923,12 +1000,21 @@ mod tests {
             ),
             Some("s"),
         );
-        let d = route(&c, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0);
+        let d = route(
+            &c,
+            &store,
+            &m,
+            &mut IndexCache::default(),
+            Ok(&f),
+            None,
+            0,
+            0,
+        );
         assert_eq!(d.reason, Reason::Session);
         let charge = d.charge.unwrap();
-        // The prompt is pending until the first byte (no prefix index
-        // without a snapshot: all of it); the prompt and half the output
-        // are held until the end.
+        // The prompt is pending until the first byte (the prefix index has
+        // not seen it: all of it); the prompt and half the output are held
+        // until the end.
         let held = f.input_tokens + 25;
         assert_eq!(held, f.memory());
         assert_eq!((charge.prefill, charge.memory), (f.input_tokens, held));
@@ -973,8 +1059,26 @@ mod tests {
             ),
             Some("hot"),
         );
-        let first = route(&c, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0);
-        let second = route(&c, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0);
+        let first = route(
+            &c,
+            &store,
+            &m,
+            &mut IndexCache::default(),
+            Ok(&f),
+            None,
+            0,
+            0,
+        );
+        let second = route(
+            &c,
+            &store,
+            &m,
+            &mut IndexCache::default(),
+            Ok(&f),
+            None,
+            0,
+            0,
+        );
         assert_eq!(first.reason, Reason::Session);
         assert_eq!(second.reason, Reason::Spill);
         let (p1, p2) = (first.pick.unwrap(), second.pick.clone().unwrap());
@@ -996,10 +1100,19 @@ mod tests {
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
         let f = facts(&chat(json!([]), json!({})), Some("busy"));
-        let busy = route(&c, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0)
-            .pick
-            .unwrap()
-            .primary;
+        let busy = route(
+            &c,
+            &store,
+            &m,
+            &mut IndexCache::default(),
+            Ok(&f),
+            None,
+            0,
+            0,
+        )
+        .pick
+        .unwrap()
+        .primary;
         for tiebreak in 0..8 {
             let d = route(
                 &c,
@@ -1008,6 +1121,7 @@ mod tests {
                 &mut IndexCache::default(),
                 Err(Unparsed::Invalid),
                 None,
+                0,
                 tiebreak,
             );
             assert_eq!(d.reason, Reason::Fallback);
@@ -1023,6 +1137,7 @@ mod tests {
                 &mut IndexCache::default(),
                 Err(Unparsed::Empty),
                 None,
+                0,
                 0
             ))
             .split("; ")
@@ -1082,10 +1197,8 @@ mod tests {
             &m,
             &mut IndexCache::default(),
             Ok(f),
-            Some(FleetInput {
-                view: v,
-                now_ms: now,
-            }),
+            Some(v),
+            now,
             0,
         )
     }
@@ -1163,10 +1276,8 @@ mod tests {
                 &MemoryMetrics::default(),
                 &mut IndexCache::default(),
                 Err(Unparsed::Invalid),
-                Some(FleetInput {
-                    view: &v,
-                    now_ms: 5100,
-                }),
+                Some(&v),
+                5100,
                 i,
             );
             assert!(!d.targets.iter().any(|t| t == "10.0.0.1:80"), "{d:?}");
@@ -1195,8 +1306,17 @@ mod tests {
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
         let on = |f: &Facts, view: &FleetView| {
-            let fleet = Some(FleetInput { view, now_ms: 5000 });
-            route(&c, &store, &m, &mut IndexCache::default(), Ok(f), fleet, 0)
+            let fleet = Some(view);
+            route(
+                &c,
+                &store,
+                &m,
+                &mut IndexCache::default(),
+                Ok(f),
+                fleet,
+                5000,
+                0,
+            )
         };
         let doc = "shared document ".repeat(600);
         let f = facts(
@@ -1284,13 +1404,21 @@ mod tests {
                 ],
                 0,
             );
-            let fleet = Some(FleetInput {
-                view: &v,
-                now_ms: 5000,
-            });
+            let fleet = Some(&v);
             let store = MemorySharedData::default();
             let m = MemoryMetrics::default();
-            route(c, &store, &m, &mut IndexCache::default(), Ok(&f), fleet, 0).targets[0].clone()
+            route(
+                c,
+                &store,
+                &m,
+                &mut IndexCache::default(),
+                Ok(&f),
+                fleet,
+                5000,
+                0,
+            )
+            .targets[0]
+                .clone()
         };
         let c = cfg();
         let calm = view(
@@ -1355,13 +1483,21 @@ mod tests {
         // The home at 60 % KV: past kvPressure, below the memory knee.
         let pressed = view(&[(&home, true, 0.6, 0, &[]), (other, true, 0.0, 0, &[])], 0);
         let pick = |f: &Facts| {
-            let fleet = Some(FleetInput {
-                view: &pressed,
-                now_ms: 5000,
-            });
+            let fleet = Some(&pressed);
             let store = MemorySharedData::default();
             let m = MemoryMetrics::default();
-            route(&c, &store, &m, &mut IndexCache::default(), Ok(f), fleet, 0).targets[0].clone()
+            route(
+                &c,
+                &store,
+                &m,
+                &mut IndexCache::default(),
+                Ok(f),
+                fleet,
+                5000,
+                0,
+            )
+            .targets[0]
+                .clone()
         };
         assert_eq!(pick(&f1), other, "a new conversation avoids it");
         assert_eq!(pick(&f2), home, "a continuing one stays");
@@ -1387,14 +1523,65 @@ mod tests {
                 &m,
                 &mut IndexCache::default(),
                 Err(Unparsed::NotInference),
-                Some(FleetInput {
-                    view: &v,
-                    now_ms: 5000,
-                }),
+                Some(&v),
+                5000,
                 t,
             );
             assert_eq!(d.targets[0], "10.0.0.2:80");
             assert!(!d.targets.iter().any(|t| t == "10.0.0.1:80"));
+        }
+    }
+
+    /// Without a snapshot a hot session stays on its home until its memory
+    /// passes bounded load, and the rest spill (reason `spill`, never its
+    /// own reason elsewhere). The prefix index is what keeps it home: the
+    /// gateway's pending prefill there is the uncached part only, not the
+    /// whole prompt of every request in flight (without the index, the
+    /// fifth request here moved off home by cost, as `session`). Once the
+    /// load is released the session follows the index: it names the last
+    /// replica the prompt was sent to (one replica per block, last writer
+    /// wins), whose whole-prompt evidence outweighs the home's assumed
+    /// share, as with a snapshot.
+    #[test]
+    fn a_hot_session_stays_home_until_bounded_load() {
+        let c = cfg();
+        let store = MemorySharedData::default();
+        let m = MemoryMetrics::default();
+        let mut cache = IndexCache::default();
+        // About 5000 prompt tokens and 512 out (tests/e2e: the hot key).
+        let f = facts(
+            &chat(
+                json!([{"role":"user","content":"y".repeat(20_000)}]),
+                json!({"max_tokens": 512}),
+            ),
+            Some("hot"),
+        );
+        let home = route(&c, &store, &m, &mut cache, Ok(&f), None, 0, 0);
+        release(&c, &store, &m, home.charge.unwrap());
+        // 5256 tokens held each: three in flight stay under the 16384
+        // floor, so the fourth is admitted home; the fifth is not.
+        let mut burst = Vec::new();
+        for i in 0..12 {
+            let d = route(&c, &store, &m, &mut cache, Ok(&f), None, 10, 0);
+            let at_home = d.targets[0] == home.targets[0];
+            if i < 4 {
+                assert_eq!((d.reason, at_home), (Reason::Session, true), "{i}: {d:?}");
+                assert_eq!(d.expected_cached, f.input_tokens - 1, "the index hit");
+            } else {
+                assert_eq!((d.reason, at_home), (Reason::Spill, false), "{i}: {d:?}");
+            }
+            burst.push(d);
+        }
+        for d in &burst {
+            release(&c, &store, &m, d.charge.unwrap());
+        }
+        let last = burst.last().unwrap().targets[0].clone();
+        for _ in 0..3 {
+            let d = route(&c, &store, &m, &mut cache, Ok(&f), None, 20, 0);
+            assert_eq!(d.reason, Reason::Session);
+            assert_eq!(d.targets[0], last, "{d:?}");
+            assert_eq!(d.expected_cached, f.input_tokens - 1);
+            release(&c, &store, &m, d.charge.unwrap());
         }
     }
 
@@ -1406,7 +1593,16 @@ mod tests {
         store.set(&c.load_key, b"KVL1", None).unwrap();
         store.conflicts.set(usize::MAX);
         let f = facts(&chat(json!([]), json!({})), Some("s"));
-        let d = route(&c, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0);
+        let d = route(
+            &c,
+            &store,
+            &m,
+            &mut IndexCache::default(),
+            Ok(&f),
+            None,
+            0,
+            0,
+        );
         assert_eq!(d.reason, Reason::Session);
         assert_eq!(d.charge, None);
         assert_eq!(m.counter(Counter::LoadUpdateFailed), 1);
@@ -1416,29 +1612,53 @@ mod tests {
 #[cfg(test)]
 mod equivalence {
     use super::*;
+    use proptest::prelude::*;
 
-    /// On an idle snapshot every gateway sends a key to its home, the
-    /// foundation pick's first preference, whatever each gateway's own
-    /// load (while it is below what the cache saves).
-    #[test]
-    fn every_gateway_sends_a_key_home() {
-        let hosts: Vec<String> = (0..8)
+    fn config(n: usize) -> Config {
+        let hosts: Vec<String> = (0..n)
             .map(|i| format!("\"10.0.0.{}:8000\"", i + 1))
             .collect();
-        let cfg =
-            Config::from_json(format!(r#"{{"hosts":[{}]}}"#, hosts.join(",")).as_bytes()).unwrap();
+        Config::from_json(format!(r#"{{"hosts":[{}]}}"#, hosts.join(",")).as_bytes()).unwrap()
+    }
+
+    fn request(k: u64, input_tokens: u64, blocks: usize) -> Facts {
+        Facts {
+            endpoint: Endpoint::ChatCompletions,
+            model: String::new(),
+            affinity: Affinity::Prefix(k.wrapping_mul(0x9e3779b97f4a7c15)),
+            blocks: (0..blocks as u64).map(|b| b ^ k).collect(),
+            input_tokens,
+            output_tokens: 100,
+            stream: false,
+            non_text_parts: 0,
+            continues: false,
+        }
+    }
+
+    /// A snapshot of the configured hosts, each scraped at `scraped_at_ms`
+    /// and ingested at 0.
+    fn snapshot_of(cfg: &Config, scraped_at_ms: u64) -> FleetView {
         let snap = crate::fleet::Snapshot {
             version: 1,
             seq: 1,
             collector: "c".into(),
-            taken_at_ms: 0,
+            taken_at_ms: scraped_at_ms,
             hosts: cfg
                 .hosts
                 .iter()
-                .map(|h| idle_host(&h.addr, true, 0))
+                .map(|h| idle_host(&h.addr, true, scraped_at_ms))
                 .collect(),
         };
-        let view = FleetView::new(snap, 0);
+        FleetView::new(snap, 0)
+    }
+
+    /// Every gateway, with an idle snapshot or with none, sends a key to
+    /// its home, the rendezvous top of its key over the hosts, whatever
+    /// each gateway's own load (while it is below what the cache saves).
+    #[test]
+    fn every_gateway_sends_a_key_home() {
+        let cfg = config(8);
+        let view = snapshot_of(&cfg, 0);
         // Gateway a is idle; gateway b has 1500 tokens pending on every
         // other host.
         let idle = LoadTable::default();
@@ -1451,22 +1671,48 @@ mod equivalence {
             });
         }
         for k in 0..2000u64 {
-            let f = Facts {
-                endpoint: Endpoint::ChatCompletions,
-                model: String::new(),
-                affinity: Affinity::Prefix(k.wrapping_mul(0x9e3779b97f4a7c15)),
-                blocks: vec![],
-                input_tokens: 2000 + k % 7 * 3000,
-                output_tokens: 100,
-                stream: false,
-                non_text_parts: 0,
-                continues: false,
-            };
-            let home = pick_for(&cfg, &f, &[]);
-            let a = pick_fleet(&cfg, &f, &view, &idle, &[], 0);
-            let b = pick_fleet(&cfg, &f, &view, &busy, &[], 0);
-            assert_eq!(a.targets[0], home.targets[0], "request {k}");
-            assert_eq!(b.targets[0], home.targets[0], "request {k}");
+            let f = request(k, 2000 + k % 7 * 3000, 0);
+            let top = picker::preference_order(&cfg.hosts, f.affinity.key())[0];
+            let home = &cfg.hosts.get(top).unwrap().addr;
+            for table in [&idle, &busy] {
+                let with = pick(&cfg, &f, Some(&view), table, &[], 0);
+                let without = pick(&cfg, &f, None, table, &[], 0);
+                assert_eq!(&with.targets[0], home, "request {k}");
+                assert_eq!(&without.targets[0], home, "request {k}");
+                assert!(!with.degraded && without.degraded);
+            }
+        }
+    }
+
+    proptest! {
+        /// Without a snapshot a decision is the one a snapshot of the same
+        /// hosts with nothing but stale data would give: the foundation
+        /// mode is the fleet mode with no engine data.
+        #[test]
+        fn no_snapshot_is_a_snapshot_with_no_engine_data(
+            n in 1usize..12,
+            key in any::<u64>(),
+            input in 1u64..40_000,
+            blocks in 0usize..64,
+            continues in any::<bool>(),
+            loads in prop::collection::vec((0u64..30_000, 0u64..60_000), 12),
+            hits in prop::collection::vec((0usize..12, 0u32..64), 0..4),
+        ) {
+            let cfg = config(n);
+            let mut table = LoadTable::default();
+            for (h, &(prefill, memory)) in cfg.hosts.iter().zip(&loads) {
+                table.add(Charge { host: h.id, prefill, memory });
+            }
+            let hits: Vec<(u64, u32)> = hits
+                .iter()
+                .filter_map(|&(i, d)| cfg.hosts.get(i).map(|h| (h.id, d)))
+                .collect();
+            let f = Facts { continues, ..request(key, input, blocks) };
+            // Scraped at 0, looked at 10 s after ingest: stale.
+            let stale = snapshot_of(&cfg, 0);
+            let with = pick(&cfg, &f, Some(&stale), &table, &hits, 10_000);
+            let without = pick(&cfg, &f, None, &table, &hits, 0);
+            prop_assert_eq!(with, without);
         }
     }
 }

@@ -23,11 +23,15 @@
 //! load[h] <= (1 + epsilon) * (sum(load) + c) / n
 //! ```
 //!
-//! where loads are the gateway's in-flight token estimates. The primary is the
-//! first admissible host in preference order, so a key stays on its host
-//! until that host runs `epsilon` above the average, and then spills to its
-//! next preference (not to a random host), which keeps a hot key's overflow
-//! on a stable small set of hosts.
+//! where loads are the gateway's in-flight token estimates (KV memory held).
+//! The primary is the first admissible host in the decision's order, so a
+//! key stays on its host until that host runs `epsilon` above the average,
+//! and then spills to its next preference (not to a random host), which
+//! keeps a hot key's overflow on a stable small set of hosts. The walk runs
+//! in [`crate::score::pick_scored`], the one pick of every parsed request:
+//! its order is the predicted cost first and this preference order among
+//! equal costs, which on an idle fleet is this preference order itself (the
+//! tests below run the walk so).
 //!
 //! The paper places unit balls and tests `load[h] + 1` against the bound.
 //! Costs here are tokens and heavy-tailed (a 100k-token prompt next to
@@ -49,7 +53,7 @@
 //! replicas that clear their queue within a second; the floor keeps them
 //! home, and the MTZ bound takes over as soon as the fleet is busy.
 //!
-//! Fallbacks are the next hosts in preference order after the primary,
+//! Fallbacks are the next hosts in that order after the primary,
 //! admissible ones first: Envoy's retries walk them if the primary fails.
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -170,40 +174,6 @@ fn load_of(loads: &[u64], i: usize) -> u64 {
     loads.get(i).copied().unwrap_or(0)
 }
 
-/// Picks the primary and fallbacks for `key`, given each host's in-flight
-/// load (aligned with `hosts`) and the request's cost, all in tokens.
-pub fn pick(hosts: &HostSet, key: u64, loads: &[u64], cost: u64, bounds: Bounds) -> Option<Pick> {
-    let order = preference_order(hosts, key);
-    let first = *order.first()?;
-    let total: u64 = (0..hosts.len())
-        .map(|i| load_of(loads, i))
-        .fold(0, u64::saturating_add);
-    let cap = bounds.cap(total, cost, hosts.len());
-    let admissible = |i: usize| (load_of(loads, i) as f64) <= cap;
-    let primary = match order.iter().copied().find(|&i| admissible(i)) {
-        Some(i) => i,
-        // Unreachable in arithmetic (the least-loaded host is at or below the
-        // average), kept for float rounding at extreme loads.
-        None => order
-            .iter()
-            .copied()
-            .min_by_key(|&i| load_of(loads, i))
-            .unwrap_or(first),
-    };
-    let rest = order.iter().copied().filter(|&i| i != primary);
-    let fallbacks = rest
-        .clone()
-        .filter(|&i| admissible(i))
-        .chain(rest.filter(|&i| !admissible(i)))
-        .take(bounds.fallbacks)
-        .collect();
-    Some(Pick {
-        primary,
-        fallbacks,
-        spilled: primary != first,
-    })
-}
-
 /// Picks without a key (requests that were not parsed): least loaded first,
 /// ties broken by rotating from `tiebreak` so idle fleets share such traffic.
 pub fn pick_least_loaded(
@@ -231,6 +201,7 @@ pub fn pick_least_loaded(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::score::{pick_scored, Candidate};
     use proptest::prelude::*;
 
     fn hosts(n: usize) -> HostSet {
@@ -242,6 +213,25 @@ mod tests {
         floor: 0,
         fallbacks: 2,
     };
+
+    /// The decision pipeline's bounded-load walk with every host scored
+    /// alike, so that the order is the key's preference order: the pick
+    /// on an idle fleet, or without engine data among equal loads.
+    fn pick(h: &HostSet, key: u64, loads: &[u64], cost: u64, bounds: Bounds) -> Option<Pick> {
+        let cands: Vec<Candidate> = h
+            .iter()
+            .enumerate()
+            .map(|(index, host)| Candidate {
+                index,
+                id: host.id,
+                score: 0.0,
+                pressured: false,
+                load: load_of(loads, index),
+                floor: 0,
+            })
+            .collect();
+        pick_scored(&cands, key, cost, 0.0, bounds)
+    }
 
     #[test]
     fn idle_fleet_uses_first_preference() {

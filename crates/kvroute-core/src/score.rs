@@ -1,8 +1,10 @@
-//! Scoring candidates with fleet state: the request's predicted cost on
-//! each replica, inside bounded load on KV memory.
+//! Scoring candidates: the request's predicted cost on each replica,
+//! inside bounded load on KV memory. Every parsed request is placed so,
+//! with a fleet snapshot or without one ([`crate::decide`]).
 //!
-//! Each candidate replica (ready, not draining, serving the request's model)
-//! gets a predicted cost in seconds, a decision under uncertainty:
+//! Each candidate replica (with a snapshot: ready, not draining, serving
+//! the request's model; without one: every configured host) gets a
+//! predicted cost in seconds, a decision under uncertainty:
 //!
 //! ```text
 //! cost = (pending + uncached * (1 + w)) / prefillTokensPerS
@@ -14,7 +16,8 @@
 //!   view (waiting requests x `waitingRequestTokens`) and the gateway's own
 //!   (prompt tokens it sent there with no first byte yet). The gateway's
 //!   figure moves with every dispatch, so a burst cannot pile onto the
-//!   replica that looked idle in the last snapshot;
+//!   replica that looked idle in the last snapshot. Without engine data (no
+//!   snapshot, or the replica's data is stale), the gateway's own alone;
 //! - `uncached`: the request's prompt tokens less those expected cached
 //!   there: the prefix index's match ([`crate::index`]), and on the key's
 //!   *home* replica at least `homeCachedShare` of the prompt;
@@ -23,16 +26,19 @@
 //!   it, or the gateway's memory held when larger) plus this request's
 //!   prompt and expected output. Only where the snapshot gives the
 //!   capacity; the term rises steeply as a replica nears it, where the
-//!   engine would preempt or hold the request waiting for memory;
+//!   engine would preempt or hold the request waiting for memory. Without
+//!   a capacity, the engine's KV utilisation; without engine data, 0 (no
+//!   memory term: bounded load alone guards memory);
 //! - `w`: what a prefix computed there costs beyond the request's own
 //!   wait. A second copy of a prefix takes memory that holds other cached
 //!   prefixes, and its prefill delays the requests behind it; both matter
 //!   only where memory is in demand, so the weight grows with the
 //!   replica's predicted use up to `recomputeFullKv` (at 0, the whole
-//!   weight everywhere). On the fleet simulation's Mooncake trace (KV use
-//!   about 10 %) a whole weight held requests at busy homes and cost TTFT
-//!   p95; on the chat family (about 50 %) the weight is what keeps
-//!   conversations home (docs/fleet-state.md).
+//!   weight everywhere). Without engine data nothing is known of the
+//!   replica's memory: the whole weight. On the fleet simulation's
+//!   Mooncake trace (KV use about 10 %) a whole weight held requests at
+//!   busy homes and cost TTFT p95; on the chat family (about 50 %) the
+//!   weight is what keeps conversations home (docs/fleet-state.md).
 //!
 //! Locality therefore yields when a warm replica's predicted cost exceeds a
 //! cold one's (its queue outweighs the prefill the cache saves), not at a
@@ -45,8 +51,10 @@
 //!
 //! A key's home is the rendezvous top of its affinity key among the
 //! replicas with headroom *by the snapshot* (KV below `kvPressure`, fewer
-//! than `queuePressure` waiting): a function of the request and the
-//! snapshot only, which every gateway shares. A request that continues a
+//! than `queuePressure` waiting; a replica without engine data has
+//! headroom, so without a snapshot the home is the rendezvous top over the
+//! configured hosts): a function of the request and the snapshot (or the
+//! host list) only, which every gateway shares. A request that continues a
 //! conversation (the body holds a turn the model produced) keeps its home
 //! among all the candidates, pressed or not: its history is there, and the
 //! cost's queue and memory terms move it when they must. (Fleet
@@ -60,10 +68,15 @@
 //! # Bounded load
 //!
 //! The bounded-load walk of [`crate::picker`] then runs over this order on
-//! each replica's memory: a replica is admissible while its memory is at
-//! most `(1 + epsilon)` times the average, or while its predicted use stays
-//! under `memoryFloor` of its capacity (`loadFloorTokens` where the
-//! capacity is unknown). It is a safety net: the cost already spreads load.
+//! each replica's memory (with a snapshot, the larger of the engine's and
+//! the gateway's figure; without engine data, the gateway's memory held):
+//! a replica is admissible while its memory is at most `(1 + epsilon)`
+//! times the average, or while its predicted use stays under
+//! `memoryFloor` of its capacity (`loadFloorTokens` where the
+//! capacity is unknown). With engine data it is a safety net: the cost
+//! already spreads load. Without, it is what spills a hot key: the home's
+//! pending prefill is only the part its prefix index does not hold, so its
+//! cost stays low while its memory grows.
 
 use std::cmp::Ordering;
 
@@ -72,7 +85,8 @@ use crate::picker::{rank, Bounds, Pick};
 /// One replica that may take the request.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Candidate {
-    /// Position in the routing universe (the snapshot's host list).
+    /// Position in the routing universe (the snapshot's host list, or
+    /// the configured hosts without a snapshot).
     pub index: usize,
     pub id: u64,
     /// Higher is better: the negated predicted cost, in seconds.
@@ -125,8 +139,8 @@ pub fn pick_scored(
     let load = |k: usize| cands.get(k).map_or(0, |c| c.load);
     let total = cands.iter().map(|c| c.load).fold(0u64, u64::saturating_add);
     let cap = bounds.cap(total, cost, cands.len());
-    // The admission test of picker::pick (the request's own cost only in
-    // the average; see there why), with each replica's own floor. The
+    // The admission test of crate::picker (the request's own cost only in
+    // the average; see its module doc why), with each replica's own floor. The
     // least-loaded fallback only covers float rounding.
     let floor = |k: usize| cands.get(k).map_or(0, |c| c.floor);
     let admissible = |k: usize| (load(k) as f64) <= cap || load(k) <= floor(k);

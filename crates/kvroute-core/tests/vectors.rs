@@ -8,7 +8,7 @@
 
 #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
 
-use kvroute_core::decide::{analyze, pick_for};
+use kvroute_core::decide::{analyze, pick};
 use kvroute_core::hash::model_seed;
 use kvroute_core::load::{Charge, LoadTable};
 use kvroute_core::picker::{preference_order, rank};
@@ -61,12 +61,21 @@ fn vectors() -> Vec<String> {
     let large = config(256);
     for (i, (ep, session, body)) in requests().iter().enumerate() {
         let f = analyze(&small, *ep, *session, body.as_bytes()).unwrap();
-        let idle8 = pick_for(&small, &f, &[]);
-        let idle256 = pick_for(&large, &f, &[]);
+        let idle = LoadTable::default();
+        let idle8 = pick(&small, &f, None, &idle, &[], 0);
+        let idle256 = pick(&large, &f, None, &idle, &[], 0);
         // A loaded fleet: the first preference is busy, so the pick spills.
-        let mut loads = vec![0u64; 8];
-        loads[idle8.pick.as_ref().unwrap().primary] = 1_000_000;
-        let busy8 = pick_for(&small, &f, &loads);
+        let mut loads = LoadTable::default();
+        loads.add(Charge {
+            host: small
+                .hosts
+                .get(idle8.pick.as_ref().unwrap().primary)
+                .unwrap()
+                .id,
+            prefill: 0,
+            memory: 1_000_000,
+        });
+        let busy8 = pick(&small, &f, None, &loads, &[], 0);
         let p8 = idle8.pick.unwrap();
         let b8 = busy8.pick.unwrap();
         out.push(format!(

@@ -29,7 +29,7 @@ use std::time::Instant;
 use xxhash_rust::xxh64::xxh64;
 
 use kvroute_core::answers::{self, Expectation};
-use kvroute_core::decide::{self, FleetInput};
+use kvroute_core::decide;
 use kvroute_core::fleet::{HostState, Snapshot, SNAPSHOT_VERSION};
 use kvroute_core::host::{MemorySharedData, Tally};
 use kvroute_core::index::IndexCache;
@@ -407,7 +407,8 @@ impl Router for Kvroute {
             &g.metrics,
             &mut w.index,
             facts.as_ref().map_err(|u| *u),
-            view.as_deref().map(|view| FleetInput { view, now_ms }),
+            view.as_deref(),
+            now_ms,
             u64::from(stream),
         );
         let expectation = facts

@@ -44,3 +44,17 @@ pub fn config(hosts: usize) -> Option<Config> {
         .collect();
     Config::from_json(format!(r#"{{"hosts":[{}]}}"#, list.join(",")).as_bytes()).ok()
 }
+
+/// Uneven memory held per configured host (what a gateway sent there), so
+/// that bounded load has work to do.
+pub fn loads(cfg: &Config) -> kvroute_core::load::LoadTable {
+    let mut table = kvroute_core::load::LoadTable::default();
+    for (i, h) in cfg.hosts.iter().enumerate() {
+        table.add(kvroute_core::load::Charge {
+            host: h.id,
+            prefill: 0,
+            memory: (i as u64 * 7919) % 50_000,
+        });
+    }
+    table
+}
