@@ -32,8 +32,11 @@ TOKEN = "e2e-ingest-token-0123456789abcdef"
 COLLECTOR_INTERVAL_MS = 100
 # Uneven but with headroom everywhere (kvPressure 0.9, queuePressure 32): a
 # short queue on a conversation's replica costs less than recomputing its
-# prompt elsewhere, so "load allows" staying.
-UNEVEN = [dict(kv=0.1, waiting=0), dict(kv=0.45, waiting=1), dict(kv=0.6, waiting=2), dict(kv=0.8, waiting=3)]
+# prompt elsewhere, so "load allows" staying. Every replica at or above
+# recomputeFullKv (0.3): below it a replica's recompute weight is smaller,
+# and with these metrics pinned (they never rise as it takes conversations)
+# every new conversation would go to the one idle replica.
+UNEVEN = [dict(kv=0.3, waiting=0), dict(kv=0.45, waiting=1), dict(kv=0.6, waiting=2), dict(kv=0.8, waiting=3)]
 SYSTEM = "You are the assistant of a support desk. " + filler("policy", 1500)
 
 
