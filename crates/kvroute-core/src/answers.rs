@@ -232,6 +232,18 @@ mod tests {
         }
     }
 
+    /// [`learn`] with a worker cache of its own.
+    fn learn_fresh(
+        c: &Config,
+        store: &MemorySharedData,
+        m: &MemoryMetrics,
+        exp: &Expectation,
+        answer: &Learned,
+        now_ms: u64,
+    ) -> Option<Verdict> {
+        learn(c, store, m, &mut IndexCache::default(), exp, answer, now_ms)
+    }
+
     fn answer(cached: Option<u64>, prompt: Option<u64>) -> Learned {
         Learned {
             output_tokens: Some(5),
@@ -246,16 +258,7 @@ mod tests {
         let exp = setup(&c, &store);
         // The engine's tokenizer makes 10% more tokens; it held the prefix
         // less its last partial engine block.
-        let v = learn(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            &exp,
-            &answer(Some(2240), Some(2253)),
-            200,
-        )
-        .unwrap();
+        let v = learn_fresh(&c, &store, &m, &exp, &answer(Some(2240), Some(2253)), 200).unwrap();
         assert_eq!(
             v,
             Verdict {
@@ -277,16 +280,7 @@ mod tests {
         assert_eq!(m.counter(Counter::PrefixShortfalls), 0);
         assert_eq!(index(&c).lookup(&store, &exp.blocks, 300), vec![(7, 32)]);
         // Within one index block (64 tokens) short: still not a shortfall.
-        let v = learn(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            &exp,
-            &answer(Some(1984), Some(2048)),
-            200,
-        )
-        .unwrap();
+        let v = learn_fresh(&c, &store, &m, &exp, &answer(Some(1984), Some(2048)), 200).unwrap();
         assert!(!v.short, "{v:?}");
     }
 
@@ -296,16 +290,7 @@ mod tests {
         let exp = setup(&c, &store);
         // The engine held 5 blocks' worth (320 tokens): ceil(320/64) = 5
         // blocks kept; positions 7, 15 and 31 claimed more and go.
-        let v = learn(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            &exp,
-            &answer(Some(320), Some(2048)),
-            200,
-        )
-        .unwrap();
+        let v = learn_fresh(&c, &store, &m, &exp, &answer(Some(320), Some(2048)), 200).unwrap();
         assert_eq!(
             v,
             Verdict {
@@ -319,16 +304,7 @@ mod tests {
         assert_eq!(m.counter(Counter::PrefixEntriesDropped), 3);
         assert_eq!(index(&c).lookup(&store, &exp.blocks, 300), vec![(7, 4)]);
         // A flushed cache: nothing kept, every entry of host 7 goes.
-        let v = learn(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            &exp,
-            &answer(Some(0), None),
-            200,
-        )
-        .unwrap();
+        let v = learn_fresh(&c, &store, &m, &exp, &answer(Some(0), None), 200).unwrap();
         assert_eq!((v.short, v.dropped), (true, 3));
         assert!(index(&c).lookup(&store, &exp.blocks, 300).is_empty());
         assert_eq!(
@@ -348,16 +324,7 @@ mod tests {
             decided_ms: SETTLE_MS,
             ..setup(&c, &store)
         };
-        let v = learn(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            &exp,
-            &answer(Some(0), Some(2048)),
-            200,
-        )
-        .unwrap();
+        let v = learn_fresh(&c, &store, &m, &exp, &answer(Some(0), Some(2048)), 200).unwrap();
         assert_eq!((v.short, v.dropped), (true, 0));
         assert_eq!(index(&c).lookup(&store, &exp.blocks, 300), vec![(7, 32)]);
     }
@@ -381,27 +348,9 @@ mod tests {
         assert_eq!(m.counter(Counter::PrefixAnswers), 0);
         assert!(m.series.borrow().is_empty());
         // A figure above the prompt is capped at it; a zero prompt is no scale.
-        let v = learn(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            &exp,
-            &answer(Some(9999), Some(2048)),
-            200,
-        )
-        .unwrap();
+        let v = learn_fresh(&c, &store, &m, &exp, &answer(Some(9999), Some(2048)), 200).unwrap();
         assert_eq!((v.cached, v.short), (2048, false));
-        let v = learn(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            &exp,
-            &answer(Some(u64::MAX), Some(0)),
-            200,
-        )
-        .unwrap();
+        let v = learn_fresh(&c, &store, &m, &exp, &answer(Some(u64::MAX), Some(0)), 200).unwrap();
         assert_eq!((v.expected, v.cached, v.short), (2047, 0, true));
     }
 

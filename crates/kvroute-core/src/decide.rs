@@ -1203,6 +1203,24 @@ mod tests {
         )
     }
 
+    /// The key's home on two idle replicas, and the other one.
+    fn home_of_two(f: &Facts) -> (String, &'static str) {
+        let calm = view(
+            &[
+                ("10.0.0.1:80", true, 0.0, 0, &[]),
+                ("10.0.0.2:80", true, 0.0, 0, &[]),
+            ],
+            0,
+        );
+        let home = fleet_pick(&calm, f, 5000).targets[0].clone();
+        let other = if home == "10.0.0.1:80" {
+            "10.0.0.2:80"
+        } else {
+            "10.0.0.1:80"
+        };
+        (home, other)
+    }
+
     #[test]
     fn fleet_filters_unready_and_other_models() {
         let v = view(
@@ -1421,19 +1439,7 @@ mod tests {
                 .clone()
         };
         let c = cfg();
-        let calm = view(
-            &[
-                ("10.0.0.1:80", true, 0.0, 0, &[]),
-                ("10.0.0.2:80", true, 0.0, 0, &[]),
-            ],
-            0,
-        );
-        let home = fleet_pick(&calm, &f, 5000).targets[0].clone();
-        let other = if home == "10.0.0.1:80" {
-            "10.0.0.2:80"
-        } else {
-            "10.0.0.1:80"
-        };
+        let (home, other) = home_of_two(&f);
         assert_eq!(pick(&c, 0.5, 0.5, &home, other), home, "busy memory: stays");
         assert_eq!(
             pick(&c, 0.02, 0.0, &home, other),
@@ -1467,19 +1473,7 @@ mod tests {
         let (f1, f2) = (facts(&first, Some("conv")), facts(&next, Some("conv")));
         assert!(!f1.continues && f2.continues);
         assert_eq!(f1.affinity, f2.affinity);
-        let calm = view(
-            &[
-                ("10.0.0.1:80", true, 0.0, 0, &[]),
-                ("10.0.0.2:80", true, 0.0, 0, &[]),
-            ],
-            0,
-        );
-        let home = fleet_pick(&calm, &f2, 5000).targets[0].clone();
-        let other = if home == "10.0.0.1:80" {
-            "10.0.0.2:80"
-        } else {
-            "10.0.0.1:80"
-        };
+        let (home, other) = home_of_two(&f2);
         // The home at 60 % KV: past kvPressure, below the memory knee.
         let pressed = view(&[(&home, true, 0.6, 0, &[]), (other, true, 0.0, 0, &[])], 0);
         let pick = |f: &Facts| {
