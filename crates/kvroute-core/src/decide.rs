@@ -1189,10 +1189,15 @@ mod tests {
     }
 
     fn fleet_pick(v: &FleetView, f: &Facts, now: u64) -> Decision {
+        fleet_pick_with(&cfg(), v, f, now)
+    }
+
+    /// One decision on a fresh gateway (empty load table and index).
+    fn fleet_pick_with(c: &Config, v: &FleetView, f: &Facts, now: u64) -> Decision {
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
         route(
-            &cfg(),
+            c,
             &store,
             &m,
             &mut IndexCache::default(),
@@ -1422,21 +1427,7 @@ mod tests {
                 ],
                 0,
             );
-            let fleet = Some(&v);
-            let store = MemorySharedData::default();
-            let m = MemoryMetrics::default();
-            route(
-                c,
-                &store,
-                &m,
-                &mut IndexCache::default(),
-                Ok(&f),
-                fleet,
-                5000,
-                0,
-            )
-            .targets[0]
-                .clone()
+            fleet_pick_with(c, &v, &f, 5000).targets[0].clone()
         };
         let c = cfg();
         let (home, other) = home_of_two(&f);
@@ -1476,23 +1467,7 @@ mod tests {
         let (home, other) = home_of_two(&f2);
         // The home at 60 % KV: past kvPressure, below the memory knee.
         let pressed = view(&[(&home, true, 0.6, 0, &[]), (other, true, 0.0, 0, &[])], 0);
-        let pick = |f: &Facts| {
-            let fleet = Some(&pressed);
-            let store = MemorySharedData::default();
-            let m = MemoryMetrics::default();
-            route(
-                &c,
-                &store,
-                &m,
-                &mut IndexCache::default(),
-                Ok(f),
-                fleet,
-                5000,
-                0,
-            )
-            .targets[0]
-                .clone()
-        };
+        let pick = |f: &Facts| fleet_pick_with(&c, &pressed, f, 5000).targets[0].clone();
         assert_eq!(pick(&f1), other, "a new conversation avoids it");
         assert_eq!(pick(&f2), home, "a continuing one stays");
     }
