@@ -38,6 +38,18 @@ COLLECTOR_INTERVAL_MS = 100
 # every new conversation would go to the one idle replica.
 UNEVEN = [dict(kv=0.3, waiting=0), dict(kv=0.45, waiting=1), dict(kv=0.6, waiting=2), dict(kv=0.8, waiting=3)]
 SYSTEM = "You are the assistant of a support desk. " + filler("policy", 1500)
+# Each conversation's own first question: about 1k tokens, so that a turn
+# sent away from its conversation's replica recomputes more than one
+# waiting request is worth (waitingRequestTokens 1024 at recomputeWeight 3).
+# With shorter questions (700 bytes) the test sat on a knife edge: the
+# shared system prompt, indexed on whichever replica this gateway last sent
+# it to, was most of a first turn, so a first turn left a home with one
+# waiting request for an idle replica holding the system prompt, the other
+# gateway (whose index did not know that) sent the next turn home, and each
+# gateway then kept the conversation where its own index saw it: 90 % of
+# turns on one replica in one CI run (4 of 20 conversations alternating),
+# depending on which replicas the random ports made homes.
+QUESTION_BYTES = 4000
 
 
 def metric(stack: harness.Stack, name: str) -> float:
@@ -73,7 +85,7 @@ def turns(conversation: int, n: int) -> list[list[dict]]:
     """The growing message lists a chat client re-sends: a shared system
     prompt, a first question of the conversation's own, then follow-ups."""
     messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"conversation {conversation}: " + filler(f"case-{conversation}", 700)}]
+                {"role": "user", "content": f"conversation {conversation}: " + filler(f"case-{conversation}", QUESTION_BYTES)}]
     out = []
     for t in range(n):
         if t:
