@@ -89,6 +89,10 @@ pub struct RawFleet {
     pub cost_quantum_ms: f64,
     #[serde(default = "defaults::recompute_full_kv")]
     pub recompute_full_kv: f64,
+    #[serde(default = "defaults::prefix_affinity_share")]
+    pub prefix_affinity_share: f64,
+    #[serde(default = "defaults::prefix_affinity_first")]
+    pub prefix_affinity_first: f64,
     #[serde(default = "defaults::prefix_index_slots")]
     pub prefix_index_slots: u32,
     #[serde(default = "defaults::prefix_ttl_ms")]
@@ -110,6 +114,8 @@ impl Default for RawFleet {
             memory_floor: defaults::memory_floor(),
             cost_quantum_ms: defaults::cost_quantum_ms(),
             recompute_full_kv: defaults::recompute_full_kv(),
+            prefix_affinity_share: defaults::prefix_affinity_share(),
+            prefix_affinity_first: defaults::prefix_affinity_first(),
             prefix_index_slots: defaults::prefix_index_slots(),
             prefix_ttl_ms: defaults::prefix_ttl_ms(),
         }
@@ -277,6 +283,25 @@ pub mod defaults {
     pub fn recompute_full_kv() -> f64 {
         0.3
     }
+    /// A session's long shared prefix (its system part alone is
+    /// `affinityBlocks` long) becomes the session's affinity key when the
+    /// prefix carries less than this share of one replica's requests (its
+    /// share of the worker's recent requests times the replicas) and its
+    /// requests are mostly that prefix (`prefixAffinityFirst`): its sessions
+    /// then share one home, where the prefix is cached, instead of one home
+    /// each. 0: sessions always keep their own key. Fleet simulation, 16
+    /// replicas: see docs/fleet-state.md ("The affinity key per prefix").
+    pub fn prefix_affinity_share() -> f64 {
+        0.25
+    }
+    /// The mean share of a prefix's requests that comes before their first
+    /// user message, from which the prefix may be the affinity key: a
+    /// tenant's 2k-token system prompt before short questions (about 0.9),
+    /// not a chat's before long conversations (about 0.3) or an agent's tool
+    /// prompt before a 60k-token context.
+    pub fn prefix_affinity_first() -> f64 {
+        0.5
+    }
     /// Predicted KV use (as a share of capacity) past which the memory term
     /// of the cost starts to rise.
     pub fn memory_knee() -> f64 {
@@ -386,6 +411,8 @@ pub struct FleetConfig {
     /// In seconds.
     pub cost_quantum_s: f64,
     pub recompute_full_kv: f64,
+    pub prefix_affinity_share: f64,
+    pub prefix_affinity_first: f64,
     pub prefix_index_slots: u64,
     pub prefix_ttl_ms: u64,
     /// Shared-data key of the snapshot JSON.
@@ -577,6 +604,8 @@ impl RawConfig {
             ("fleet.homeCachedShare", f.home_cached_share),
             ("fleet.memoryFloor", f.memory_floor),
             ("fleet.recomputeFullKv", f.recompute_full_kv),
+            ("fleet.prefixAffinityShare", f.prefix_affinity_share),
+            ("fleet.prefixAffinityFirst", f.prefix_affinity_first),
         ];
         for (name, v) in shares {
             if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
@@ -700,6 +729,8 @@ impl RawConfig {
             memory_floor: f.memory_floor,
             cost_quantum_s: f.cost_quantum_ms / 1000.0,
             recompute_full_kv: f.recompute_full_kv,
+            prefix_affinity_share: f.prefix_affinity_share,
+            prefix_affinity_first: f.prefix_affinity_first,
             prefix_index_slots: u64::from(f.prefix_index_slots),
             prefix_ttl_ms: f.prefix_ttl_ms,
             snapshot_key: format!("{prefix}.fleet.v1"),

@@ -21,6 +21,22 @@
 //! Both are seeded by the model name, so one conversation's requests to two
 //! models are placed independently.
 //!
+//! A session's request whose system part alone is `affinityBlocks` long
+//! (a tenant's system prompt, a shared document) also carries that
+//! prefix's key ([`Facts::shared_prefix`]). [`route`] makes it the
+//! affinity key instead of the session when the prefix is rare and most of
+//! its requests: its share of the worker's recent requests times the
+//! replicas is under `prefixAffinityShare` (default 0.25: a quarter of one
+//! replica's requests) and, on average over those requests, at least
+//! `prefixAffinityFirst` (0.5) of the prompt comes before the first user
+//! message. A worker keeps these figures in a fixed-size decayed sketch
+//! ([`crate::index::PrefixTraffic`]); no host call. Then a tenant's
+//! sessions share one home where its prompt is cached, instead of a home
+//! each that all hold it; a popular prompt (a chat product's few system
+//! prompts) or one that is a small part of long conversations (an
+//! agent's tools) keeps sessions apart. Gateways estimate the figures
+//! from their own traffic, so they agree except near the thresholds.
+//!
 //! # Cost
 //!
 //! Input tokens are the canonical text bytes divided by `bytesPerToken`
@@ -189,7 +205,21 @@ pub struct Facts {
     pub non_text_parts: u64,
     /// The prompt continues a conversation ([`request::Body::continues`]).
     pub continues: bool,
+    /// With a session key: the prefix key, when the prompt's first
+    /// `affinityBlocks` blocks come before the end of its first user
+    /// message (a long shared prefix).
+    pub shared_prefix: Option<SharedPrefix>,
 }
+
+/// A long prefix a session's request shares with others, and how much of
+/// the prompt comes before the end of its first user message.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SharedPrefix {
+    pub key: u64,
+    pub share: f64,
+}
+
+impl Eq for SharedPrefix {}
 
 impl Facts {
     pub fn cost(&self) -> u64 {
@@ -213,6 +243,10 @@ struct Sink {
     hasher: BlockHasher,
     cut: u64,
     key: Option<u64>,
+    /// The key was taken at the end of the first user message.
+    anchored: bool,
+    /// Canonical bytes before the first user message.
+    first_user_at: Option<u64>,
     text_bytes: u64,
     token_ids: u64,
 }
@@ -238,9 +272,16 @@ impl CanonicalSink for Sink {
         self.feed(bytes);
     }
 
+    fn first_user(&mut self) {
+        if self.first_user_at.is_none() {
+            self.first_user_at = Some(self.hasher.total_bytes());
+        }
+    }
+
     fn anchor(&mut self) {
         if self.key.is_none() {
             self.key = Some(self.hasher.digest());
+            self.anchored = true;
         }
     }
 
@@ -297,6 +338,8 @@ pub fn analyze(
         // would wrap usize to 0 (found by reading for the fuzz campaign).
         cut: (cfg.affinity_blocks as u64).saturating_mul(cfg.block_bytes as u64),
         key: None,
+        anchored: false,
+        first_user_at: None,
         text_bytes: 0,
         token_ids: 0,
     };
@@ -304,9 +347,22 @@ pub fn analyze(
     let session = non_empty(session_header)
         .or_else(|| non_empty(parsed.prompt_cache_key.as_deref()))
         .or_else(|| non_empty(parsed.user.as_deref()));
+    // The key was cut before the first user message: the shared part
+    // alone is `affinityBlocks` long.
+    let long_prefix = sink.key.is_some()
+        && !sink.anchored
+        && sink.first_user_at.is_none_or(|at| at >= sink.cut);
     let affinity = match session {
         Some(s) => Affinity::Session(xxh64(s.as_bytes(), seed ^ SESSION_SALT)),
         None => Affinity::Prefix(sink.key.unwrap_or_else(|| sink.hasher.digest())),
+    };
+    let total = sink.hasher.total_bytes().max(1);
+    let shared_prefix = match affinity {
+        Affinity::Session(_) if long_prefix => sink.key.map(|k| SharedPrefix {
+            key: k,
+            share: sink.first_user_at.unwrap_or(total).min(total) as f64 / total as f64,
+        }),
+        _ => None,
     };
     let input_tokens = sink.text_bytes.div_ceil(cfg.bytes_per_token) + sink.token_ids;
     let output_tokens = parsed
@@ -323,6 +379,7 @@ pub fn analyze(
         stream: parsed.stream,
         non_text_parts: parsed.non_text_parts,
         continues: parsed.continues(),
+        shared_prefix,
     })
 }
 
@@ -722,6 +779,25 @@ pub fn route(
                 key_prefix: &cfg.fleet.index_key_prefix,
             };
             let (hits, seen) = index.lookup_seen(store, cache, &facts.blocks, now_ms);
+            // A long shared prefix that carries less than a replica's share
+            // of the traffic is the affinity key: its sessions co-locate.
+            let rekeyed;
+            let facts = match facts.shared_prefix {
+                Some(p) if cfg.fleet.prefix_affinity_share > 0.0 => {
+                    let n = fleet.map_or(cfg.hosts.len(), |v| v.hosts.len()).max(1) as f64;
+                    let (share, first) = cache.traffic.observe(p.key, p.share);
+                    if share * n < cfg.fleet.prefix_affinity_share && first >= cfg.fleet.prefix_affinity_first {
+                        rekeyed = Facts {
+                            affinity: Affinity::Prefix(p.key),
+                            ..facts.clone()
+                        };
+                        &rekeyed
+                    } else {
+                        facts
+                    }
+                }
+                _ => facts,
+            };
             let decide = |table: &LoadTable| pick(cfg, facts, fleet, table, &hits, now_ms);
             let result = load::update(store, &cfg.load_key, |table| {
                 let d = decide(table);
@@ -875,6 +951,97 @@ mod tests {
         assert!(!declared_over_cap(Some("-5"), cap));
         assert!(!declared_over_cap(Some("99999999999999999999999"), cap));
         assert!(declared_over_cap(Some("18446744073709551615"), cap));
+    }
+
+    /// A session's request over a long system prompt knows that prompt's
+    /// key and how much of the request comes before the first question.
+    #[test]
+    fn a_session_knows_its_long_shared_prefix() {
+        let body = |system: String, question: String| {
+            chat(
+                json!([{"role":"system","content": system},{"role":"user","content": question}]),
+                json!({}),
+            )
+        };
+        let tenant = body("policy ".repeat(1200), "hi".into());
+        let p = facts(&tenant, Some("s1")).shared_prefix.expect("a long prefix");
+        assert!(p.share > 0.95, "{p:?}");
+        let other = facts(&tenant, Some("s2")).shared_prefix.map(|q| q.key);
+        assert_eq!(other, Some(p.key), "one key for every session over it");
+        let long_question = body("policy ".repeat(1200), "x".repeat(8400));
+        let q = facts(&long_question, Some("s1")).shared_prefix.unwrap();
+        assert_eq!(q.key, p.key);
+        assert!((0.45..0.55).contains(&q.share), "{q:?}");
+        // Without a session the prefix key is the affinity key already.
+        assert_eq!(facts(&tenant, None).shared_prefix, None);
+        // A short system prompt: the key would hold the first question.
+        let short = body("be brief".into(), "x".repeat(8400));
+        assert_eq!(facts(&short, Some("s1")).shared_prefix, None);
+    }
+
+    /// Sessions over a long system prompt that carries a small share of
+    /// the traffic take its key (one home); over a prompt that carries most
+    /// of it, each session keeps its own.
+    #[test]
+    fn a_rare_long_prefix_is_the_affinity_key_of_its_sessions() {
+        let c = Config::from_json(
+            br#"{"hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004"],
+                "fleet":{"prefixAffinityShare":0.5,"prefixAffinityFirst":0.5}}"#,
+        )
+        .unwrap();
+        let (store, m) = (MemorySharedData::default(), MemoryMetrics::default());
+        let mut cache = IndexCache::default();
+        let mut send = |system: &str, session: &str| {
+            let body = chat(
+                json!([{"role":"system","content": system.repeat(1200)},{"role":"user","content":"hi"}]),
+                json!({}),
+            );
+            let f = analyze(&c, Endpoint::ChatCompletions, Some(session), &body).unwrap();
+            let d = route(&c, &store, &m, &mut cache, Ok(&f), None, 0, 0);
+            release(&c, &store, &m, d.charge.unwrap());
+            (d.reason, d.key)
+        };
+        for i in 0..50 {
+            send("hot ", &format!("hot-{i}"));
+        }
+        let (a, b) = (send("rare ", "rare-a"), send("rare ", "rare-b"));
+        assert_eq!(a.0, Reason::Prefix, "{a:?}");
+        assert_eq!(a, b, "both sessions on the prompt's key");
+        let (c1, c2) = (send("hot ", "hot-x"), send("hot ", "hot-y"));
+        assert_eq!(c1.0, Reason::Session, "{c1:?}");
+        assert_ne!(c1.1, c2.1, "each session its own key");
+        // At 0 every session keeps its own key.
+        let d = Config::from_json(
+            br#"{"hosts":["127.0.0.1:8001","127.0.0.1:8002"],"fleet":{"prefixAffinityShare":0}}"#,
+        )
+        .unwrap();
+        let body = chat(
+            json!([{"role":"system","content": "rare ".repeat(1200)},{"role":"user","content":"hi"}]),
+            json!({}),
+        );
+        let f = analyze(&d, Endpoint::ChatCompletions, Some("rare-c"), &body).unwrap();
+        let dec = route(&d, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0, 0);
+        assert_eq!(dec.reason, Reason::Session);
+    }
+
+    /// A prefix's share of a worker's requests, and its requests' mean
+    /// first-message share, follow the recent traffic.
+    #[test]
+    fn prefix_traffic_follows_the_recent_requests() {
+        let mut t = crate::index::PrefixTraffic::default();
+        for i in 0..300u64 {
+            t.observe(i.wrapping_mul(0x9e37_79b9_7f4a_7c15), 0.2);
+        }
+        let (share, first) = t.observe(7, 0.9);
+        assert!(share < 0.01, "{share}");
+        assert!((first - 0.9).abs() < 1e-6, "{first}");
+        // After many of one key (past the halvings) it holds most of them.
+        let mut last = (0.0, 0.0);
+        for _ in 0..10_000 {
+            last = t.observe(7, 0.5);
+        }
+        assert!(last.0 > 0.9, "{last:?}");
+        assert!((last.1 - 0.5).abs() < 0.01, "{last:?}");
     }
 
     #[test]
@@ -1601,6 +1768,7 @@ mod equivalence {
             stream: false,
             non_text_parts: 0,
             continues: false,
+            shared_prefix: None,
         }
     }
 

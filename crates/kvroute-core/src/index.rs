@@ -100,10 +100,73 @@ struct Line {
     at_ms: u64,
 }
 
-/// A worker's copy of the index slots it read or wrote recently.
+/// A worker's own state for the index: its copy of the slots it read or
+/// wrote recently, and its traffic per long shared prefix (which
+/// [`crate::decide::route`] reads to choose a session's affinity key).
 #[derive(Debug, Clone, Default)]
 pub struct IndexCache {
     lines: Vec<Option<Line>>,
+    /// The worker's traffic per long shared prefix.
+    pub traffic: PrefixTraffic,
+}
+
+/// Counters of the sketch (two rows).
+const TRAFFIC_COUNTERS: usize = 2048;
+/// Observations between two halvings: the shares follow the last few
+/// thousand requests.
+const TRAFFIC_HALF_LIFE: u32 = 4096;
+
+/// A worker's decayed request counts per prefix key, with the sum of each
+/// request's first-message share: a count-min sketch of two rows, halved
+/// every [`TRAFFIC_HALF_LIFE`] observations, so its memory is fixed
+/// whatever the traffic.
+#[derive(Debug, Clone, Default)]
+pub struct PrefixTraffic {
+    counts: Vec<u32>,
+    shares: Vec<f32>,
+    total: u32,
+    since_halving: u32,
+}
+
+impl PrefixTraffic {
+    fn cells(key: u64) -> [usize; 2] {
+        let n = TRAFFIC_COUNTERS as u64;
+        [(key % n) as usize, (TRAFFIC_COUNTERS as u64 + (key >> 32) % n) as usize]
+    }
+
+    /// Counts one request of `key` whose prompt is `first` first message,
+    /// and returns the key's share of the worker's recent requests (at most
+    /// 1; over-estimated on collisions) and its requests' mean `first`.
+    pub fn observe(&mut self, key: u64, first: f64) -> (f64, f64) {
+        if self.counts.is_empty() {
+            self.counts = vec![0; 2 * TRAFFIC_COUNTERS];
+            self.shares = vec![0.0; 2 * TRAFFIC_COUNTERS];
+        }
+        self.since_halving += 1;
+        if self.since_halving >= TRAFFIC_HALF_LIFE {
+            self.since_halving = 0;
+            self.total /= 2;
+            for c in &mut self.counts {
+                *c /= 2;
+            }
+            for c in &mut self.shares {
+                *c /= 2.0;
+            }
+        }
+        self.total = self.total.saturating_add(1);
+        let mut best = (u32::MAX, 0.0f32);
+        for i in Self::cells(key) {
+            if let (Some(c), Some(f)) = (self.counts.get_mut(i), self.shares.get_mut(i)) {
+                *c = c.saturating_add(1);
+                *f += first as f32;
+                if *c < best.0 {
+                    best = (*c, *f);
+                }
+            }
+        }
+        let share = (f64::from(best.0) / f64::from(self.total.max(1))).min(1.0);
+        (share, f64::from(best.1) / f64::from(best.0.max(1)))
+    }
 }
 
 impl IndexCache {

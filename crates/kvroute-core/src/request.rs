@@ -78,6 +78,8 @@ pub trait CanonicalSink {
     fn bytes(&mut self, bytes: &[u8]);
     /// Called right after the first `user` message ends.
     fn anchor(&mut self);
+    /// Called right before the first `user` message starts.
+    fn first_user(&mut self) {}
     /// Token ids given directly (`/v1/completions` with token arrays).
     fn token_ids(&mut self, ids: &[u32]);
 }
@@ -243,6 +245,9 @@ impl<'a> Body<'a> {
                 }
                 let mut anchored = false;
                 for m in messages {
+                    if !anchored && m.role == "user" {
+                        sink.first_user();
+                    }
                     write_message(sink, m.role.as_bytes(), |s| {
                         m.content.write(s);
                         if let Some(extra) = m.extra {
