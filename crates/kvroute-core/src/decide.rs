@@ -349,9 +349,8 @@ pub fn analyze(
         .or_else(|| non_empty(parsed.user.as_deref()));
     // The key was cut before the first user message: the shared part
     // alone is `affinityBlocks` long.
-    let long_prefix = sink.key.is_some()
-        && !sink.anchored
-        && sink.first_user_at.is_none_or(|at| at >= sink.cut);
+    let long_prefix =
+        sink.key.is_some() && !sink.anchored && sink.first_user_at.is_none_or(|at| at >= sink.cut);
     let affinity = match session {
         Some(s) => Affinity::Session(xxh64(s.as_bytes(), seed ^ SESSION_SALT)),
         None => Affinity::Prefix(sink.key.unwrap_or_else(|| sink.hasher.digest())),
@@ -786,7 +785,9 @@ pub fn route(
                 Some(p) if cfg.fleet.prefix_affinity_share > 0.0 => {
                     let n = fleet.map_or(cfg.hosts.len(), |v| v.hosts.len()).max(1) as f64;
                     let (share, first) = cache.traffic.observe(p.key, p.share);
-                    if share * n < cfg.fleet.prefix_affinity_share && first >= cfg.fleet.prefix_affinity_first {
+                    if share * n < cfg.fleet.prefix_affinity_share
+                        && first >= cfg.fleet.prefix_affinity_first
+                    {
                         rekeyed = Facts {
                             affinity: Affinity::Prefix(p.key),
                             ..facts.clone()
@@ -964,7 +965,9 @@ mod tests {
             )
         };
         let tenant = body("policy ".repeat(1200), "hi".into());
-        let p = facts(&tenant, Some("s1")).shared_prefix.expect("a long prefix");
+        let p = facts(&tenant, Some("s1"))
+            .shared_prefix
+            .expect("a long prefix");
         assert!(p.share > 0.95, "{p:?}");
         let other = facts(&tenant, Some("s2")).shared_prefix.map(|q| q.key);
         assert_eq!(other, Some(p.key), "one key for every session over it");
@@ -1020,7 +1023,16 @@ mod tests {
             json!({}),
         );
         let f = analyze(&d, Endpoint::ChatCompletions, Some("rare-c"), &body).unwrap();
-        let dec = route(&d, &store, &m, &mut IndexCache::default(), Ok(&f), None, 0, 0);
+        let dec = route(
+            &d,
+            &store,
+            &m,
+            &mut IndexCache::default(),
+            Ok(&f),
+            None,
+            0,
+            0,
+        );
         assert_eq!(dec.reason, Reason::Session);
     }
 

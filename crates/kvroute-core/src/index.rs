@@ -131,7 +131,10 @@ pub struct PrefixTraffic {
 impl PrefixTraffic {
     fn cells(key: u64) -> [usize; 2] {
         let n = TRAFFIC_COUNTERS as u64;
-        [(key % n) as usize, (TRAFFIC_COUNTERS as u64 + (key >> 32) % n) as usize]
+        [
+            (key % n) as usize,
+            (TRAFFIC_COUNTERS as u64 + (key >> 32) % n) as usize,
+        ]
     }
 
     /// Counts one request of `key` whose prompt is `first` first message,
