@@ -148,8 +148,11 @@ fn kvroute_reads_the_fleet_snapshot_the_collector_pushes() {
     let live = run(0.25);
     let decisions = live.summary.requests;
     assert!(decisions > 100);
+    // Every request is parsed and keyed: by its session, or by a rare
+    // system prompt its sessions share (prefixAffinityShare), or spilled.
     assert_eq!(
         count(&live, "kvroute_decisions_session_total")
+            + count(&live, "kvroute_decisions_prefix_total")
             + count(&live, "kvroute_decisions_spill_total"),
         decisions,
         "{:?}",
