@@ -797,7 +797,12 @@ pub fn route(
                         facts
                     }
                 }
-                _ => facts,
+                _ => {
+                    if cfg.fleet.prefix_affinity_share > 0.0 {
+                        cache.traffic.observe_other();
+                    }
+                    facts
+                }
             };
             let decide = |table: &LoadTable| pick(cfg, facts, fleet, table, &hits, now_ms);
             let result = load::update(store, &cfg.load_key, |table| {
@@ -1054,6 +1059,13 @@ mod tests {
         }
         assert!(last.0 > 0.9, "{last:?}");
         assert!((last.1 - 0.5).abs() < 0.01, "{last:?}");
+        // Requests without a long shared prefix count in the total.
+        let mut u = crate::index::PrefixTraffic::default();
+        for _ in 0..99 {
+            u.observe_other();
+        }
+        let (share, _) = u.observe(7, 1.0);
+        assert!((share - 0.01).abs() < 1e-9, "{share}");
     }
 
     #[test]

@@ -137,14 +137,13 @@ impl PrefixTraffic {
         ]
     }
 
-    /// Counts one request of `key` whose prompt is `first` first message,
-    /// and returns the key's share of the worker's recent requests (at most
-    /// 1; over-estimated on collisions) and its requests' mean `first`.
-    pub fn observe(&mut self, key: u64, first: f64) -> (f64, f64) {
-        if self.counts.is_empty() {
-            self.counts = vec![0; 2 * TRAFFIC_COUNTERS];
-            self.shares = vec![0.0; 2 * TRAFFIC_COUNTERS];
-        }
+    /// Counts one request without a long shared prefix (it counts in the
+    /// total that shares are taken of).
+    pub fn observe_other(&mut self) {
+        self.tick();
+    }
+
+    fn tick(&mut self) {
         self.since_halving += 1;
         if self.since_halving >= TRAFFIC_HALF_LIFE {
             self.since_halving = 0;
@@ -157,6 +156,17 @@ impl PrefixTraffic {
             }
         }
         self.total = self.total.saturating_add(1);
+    }
+
+    /// Counts one request of `key` whose prompt is `first` first message,
+    /// and returns the key's share of the worker's recent requests (at most
+    /// 1; over-estimated on collisions) and its requests' mean `first`.
+    pub fn observe(&mut self, key: u64, first: f64) -> (f64, f64) {
+        if self.counts.is_empty() {
+            self.counts = vec![0; 2 * TRAFFIC_COUNTERS];
+            self.shares = vec![0.0; 2 * TRAFFIC_COUNTERS];
+        }
+        self.tick();
         let mut best = (u32::MAX, 0.0f32);
         for i in Self::cells(key) {
             if let (Some(c), Some(f)) = (self.counts.get_mut(i), self.shares.get_mut(i)) {
