@@ -243,8 +243,6 @@ struct Sink {
     hasher: BlockHasher,
     cut: u64,
     key: Option<u64>,
-    /// The key was taken at the end of the first user message.
-    anchored: bool,
     /// Canonical bytes before the first user message.
     first_user_at: Option<u64>,
     text_bytes: u64,
@@ -281,7 +279,6 @@ impl CanonicalSink for Sink {
     fn anchor(&mut self) {
         if self.key.is_none() {
             self.key = Some(self.hasher.digest());
-            self.anchored = true;
         }
     }
 
@@ -338,7 +335,6 @@ pub fn analyze(
         // would wrap usize to 0 (found by reading for the fuzz campaign).
         cut: (cfg.affinity_blocks as u64).saturating_mul(cfg.block_bytes as u64),
         key: None,
-        anchored: false,
         first_user_at: None,
         text_bytes: 0,
         token_ids: 0,
@@ -347,10 +343,10 @@ pub fn analyze(
     let session = non_empty(session_header)
         .or_else(|| non_empty(parsed.prompt_cache_key.as_deref()))
         .or_else(|| non_empty(parsed.user.as_deref()));
-    // The key was cut before the first user message: the shared part
-    // alone is `affinityBlocks` long.
-    let long_prefix =
-        sink.key.is_some() && !sink.anchored && sink.first_user_at.is_none_or(|at| at >= sink.cut);
+    // The key was cut before the first user message (the anchor, which
+    // comes after it, did not take it): the shared part alone is
+    // `affinityBlocks` long.
+    let long_prefix = sink.key.is_some() && sink.first_user_at.is_none_or(|at| at >= sink.cut);
     let affinity = match session {
         Some(s) => Affinity::Session(xxh64(s.as_bytes(), seed ^ SESSION_SALT)),
         None => Affinity::Prefix(sink.key.unwrap_or_else(|| sink.hasher.digest())),
@@ -578,14 +574,28 @@ pub fn pick(
     hits: &[(u64, u32)],
     now_ms: u64,
 ) -> Decision {
+    pick_keyed(cfg, facts, facts.affinity, fleet, table, hits, now_ms)
+}
+
+/// [`pick`] under `affinity` instead of the request's own key (a session
+/// placed by its shared prefix, see the module doc).
+fn pick_keyed(
+    cfg: &Config,
+    facts: &Facts,
+    affinity: Affinity,
+    fleet: Option<&FleetView>,
+    table: &LoadTable,
+    hits: &[(u64, u32)],
+    now_ms: u64,
+) -> Decision {
     match fleet {
         Some(view) => {
             let (replicas, degraded) = observed(cfg, facts, view, table, now_ms);
-            scored(cfg, facts, &view.set, &replicas, hits, degraded)
+            scored(cfg, facts, affinity, &view.set, &replicas, hits, degraded)
         }
         None => {
             let replicas = configured(&cfg.hosts, table);
-            scored(cfg, facts, &cfg.hosts, &replicas, hits, true)
+            scored(cfg, facts, affinity, &cfg.hosts, &replicas, hits, true)
         }
     }
 }
@@ -595,13 +605,14 @@ pub fn pick(
 fn scored(
     cfg: &Config,
     facts: &Facts,
+    affinity: Affinity,
     hosts: &HostSet,
     replicas: &[Replica],
     hits: &[(u64, u32)],
     degraded: bool,
 ) -> Decision {
     let f = &cfg.fleet;
-    let key = facts.affinity.key();
+    let key = affinity.key();
     // The key's home: its rendezvous top among the replicas with headroom;
     // for a request that continues a conversation, among them all (the
     // conversation is there; the cost moves it if it must).
@@ -668,7 +679,7 @@ fn scored(
             expected_cached: 0,
         };
     };
-    let reason = match (p.spilled, facts.affinity) {
+    let reason = match (p.spilled, affinity) {
         (true, _) => Reason::Spill,
         (false, Affinity::Session(_)) => Reason::Session,
         (false, Affinity::Prefix(_)) => Reason::Prefix,
@@ -780,31 +791,27 @@ pub fn route(
             let (hits, seen) = index.lookup_seen(store, cache, &facts.blocks, now_ms);
             // A long shared prefix that carries less than a replica's share
             // of the traffic is the affinity key: its sessions co-locate.
-            let rekeyed;
-            let facts = match facts.shared_prefix {
+            let affinity = match facts.shared_prefix {
                 Some(p) if cfg.fleet.prefix_affinity_share > 0.0 => {
                     let n = fleet.map_or(cfg.hosts.len(), |v| v.hosts.len()).max(1) as f64;
                     let (share, first) = cache.traffic.observe(p.key, p.share);
-                    if share * n < cfg.fleet.prefix_affinity_share
-                        && first >= cfg.fleet.prefix_affinity_first
-                    {
-                        rekeyed = Facts {
-                            affinity: Affinity::Prefix(p.key),
-                            ..facts.clone()
-                        };
-                        &rekeyed
+                    let rare = share * n < cfg.fleet.prefix_affinity_share
+                        && first >= cfg.fleet.prefix_affinity_first;
+                    if rare {
+                        Affinity::Prefix(p.key)
                     } else {
-                        facts
+                        facts.affinity
                     }
                 }
                 _ => {
                     if cfg.fleet.prefix_affinity_share > 0.0 {
                         cache.traffic.observe_other();
                     }
-                    facts
+                    facts.affinity
                 }
             };
-            let decide = |table: &LoadTable| pick(cfg, facts, fleet, table, &hits, now_ms);
+            let decide =
+                |table: &LoadTable| pick_keyed(cfg, facts, affinity, fleet, table, &hits, now_ms);
             let result = load::update(store, &cfg.load_key, |table| {
                 let d = decide(table);
                 if let Some(c) = d.charge {
@@ -940,6 +947,12 @@ mod tests {
         serde_json::to_vec(&body).unwrap()
     }
 
+    /// Routes parsed facts without a snapshot, at time 0, on a worker
+    /// with a fresh index cache.
+    fn route_fresh(c: &Config, store: &MemorySharedData, m: &MemoryMetrics, f: &Facts) -> Decision {
+        route(c, store, m, &mut IndexCache::default(), Ok(f), None, 0, 0)
+    }
+
     fn facts(body: &[u8], session: Option<&str>) -> Facts {
         analyze(&cfg(), Endpoint::ChatCompletions, session, body).unwrap()
     }
@@ -1028,16 +1041,7 @@ mod tests {
             json!({}),
         );
         let f = analyze(&d, Endpoint::ChatCompletions, Some("rare-c"), &body).unwrap();
-        let dec = route(
-            &d,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&f),
-            None,
-            0,
-            0,
-        );
+        let dec = route_fresh(&d, &store, &m, &f);
         assert_eq!(dec.reason, Reason::Session);
     }
 
@@ -1191,16 +1195,7 @@ mod tests {
             ),
             Some("s"),
         );
-        let d = route(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&f),
-            None,
-            0,
-            0,
-        );
+        let d = route_fresh(&c, &store, &m, &f);
         assert_eq!(d.reason, Reason::Session);
         let charge = d.charge.unwrap();
         // The prompt is pending until the first byte (the prefix index has
@@ -1250,26 +1245,8 @@ mod tests {
             ),
             Some("hot"),
         );
-        let first = route(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&f),
-            None,
-            0,
-            0,
-        );
-        let second = route(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&f),
-            None,
-            0,
-            0,
-        );
+        let first = route_fresh(&c, &store, &m, &f);
+        let second = route_fresh(&c, &store, &m, &f);
         assert_eq!(first.reason, Reason::Session);
         assert_eq!(second.reason, Reason::Spill);
         let (p1, p2) = (first.pick.unwrap(), second.pick.clone().unwrap());
@@ -1291,19 +1268,7 @@ mod tests {
         let store = MemorySharedData::default();
         let m = MemoryMetrics::default();
         let f = facts(&chat(json!([]), json!({})), Some("busy"));
-        let busy = route(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&f),
-            None,
-            0,
-            0,
-        )
-        .pick
-        .unwrap()
-        .primary;
+        let busy = route_fresh(&c, &store, &m, &f).pick.unwrap().primary;
         for tiebreak in 0..8 {
             let d = route(
                 &c,
@@ -1753,16 +1718,7 @@ mod tests {
         store.set(&c.load_key, b"KVL1", None).unwrap();
         store.conflicts.set(usize::MAX);
         let f = facts(&chat(json!([]), json!({})), Some("s"));
-        let d = route(
-            &c,
-            &store,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&f),
-            None,
-            0,
-            0,
-        );
+        let d = route_fresh(&c, &store, &m, &f);
         assert_eq!(d.reason, Reason::Session);
         assert_eq!(d.charge, None);
         assert_eq!(m.counter(Counter::LoadUpdateFailed), 1);

@@ -140,10 +140,6 @@ impl PrefixTraffic {
     /// Counts one request without a long shared prefix (it counts in the
     /// total that shares are taken of).
     pub fn observe_other(&mut self) {
-        self.tick();
-    }
-
-    fn tick(&mut self) {
         self.since_halving += 1;
         if self.since_halving >= TRAFFIC_HALF_LIFE {
             self.since_halving = 0;
@@ -166,7 +162,7 @@ impl PrefixTraffic {
             self.counts = vec![0; 2 * TRAFFIC_COUNTERS];
             self.shares = vec![0.0; 2 * TRAFFIC_COUNTERS];
         }
-        self.tick();
+        self.observe_other();
         let mut best = (u32::MAX, 0.0f32);
         for i in Self::cells(key) {
             if let (Some(c), Some(f)) = (self.counts.get_mut(i), self.shares.get_mut(i)) {
