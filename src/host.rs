@@ -7,8 +7,8 @@
 use std::cell::RefCell;
 
 use kvroute_core::host::{
-    Counter, Gauge, HostError, Metrics, ReplicaCounter, SetError, SharedData, OTHER_REPLICAS,
-    REPLICA_SERIES,
+    AdmissionCounter, Counter, Gauge, HostError, Metrics, ReplicaCounter, SetError, SharedData,
+    ADMISSION_WAIT_MS, OTHER_REPLICAS, REPLICA_SERIES,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MetricType, Status};
@@ -39,20 +39,36 @@ pub struct HostMetrics {
     /// `other` series (the tally already caps them; this holds whatever
     /// calls it).
     series: RefCell<Vec<(String, Option<u32>)>>,
+    /// Admission counters by objective slot (the default, then the
+    /// configured objectives), by `AdmissionCounter::ALL`; defined only
+    /// when admission control is on.
+    admission: Vec<[Option<u32>; AdmissionCounter::ALL.len()]>,
+    wait: Option<u32>,
+}
+
+fn define(kind: MetricType, name: &str) -> Option<u32> {
+    match hostcalls::define_metric(kind, name) {
+        Ok(id) => Some(id),
+        Err(e) => {
+            log::warn!("kvroute: cannot define metric {name}: {e:?}");
+            None
+        }
+    }
 }
 
 impl HostMetrics {
     /// Defines every kvroute metric; one that the host refuses is left out
-    /// and logged.
-    pub fn define() -> HostMetrics {
-        let define = |kind: MetricType, name: &str| match hostcalls::define_metric(kind, name) {
-            Ok(id) => Some(id),
-            Err(e) => {
-                log::warn!("kvroute: cannot define metric {name}: {e:?}");
-                None
-            }
-        };
+    /// and logged. `objectives` names the admission series (none when
+    /// admission control is off).
+    pub fn define(objectives: &[&str]) -> HostMetrics {
         HostMetrics {
+            admission: objectives
+                .iter()
+                .map(|o| AdmissionCounter::ALL.map(|c| define(MetricType::Counter, &c.series(o))))
+                .collect(),
+            wait: (!objectives.is_empty())
+                .then(|| define(MetricType::Histogram, ADMISSION_WAIT_MS))
+                .flatten(),
             counters: Counter::ALL
                 .iter()
                 .map(|c| define(MetricType::Counter, c.name()))
@@ -101,6 +117,34 @@ impl HostMetrics {
     fn gauge_id(&self, g: Gauge) -> Option<u32> {
         let i = Gauge::ALL.iter().position(|x| *x == g)?;
         self.gauges.get(i).copied().flatten()
+    }
+
+    /// Adds `delta` to a gauge (Envoy sums every worker's changes).
+    pub fn gauge_add(&self, g: Gauge, delta: i64) {
+        if let (Some(id), true) = (self.gauge_id(g), delta != 0) {
+            let _ = hostcalls::increment_metric(id, delta);
+        }
+    }
+
+    /// Adds to one objective's admission counter (`slot` as in
+    /// `admit::Objective::slot`).
+    pub fn count_admission(&self, slot: usize, c: AdmissionCounter, n: u64) {
+        let i = AdmissionCounter::ALL.iter().position(|x| *x == c);
+        let id = i.and_then(|i| {
+            self.admission
+                .get(slot)
+                .and_then(|ids| ids.get(i).copied().flatten())
+        });
+        if let (Some(id), true) = (id, n > 0) {
+            let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Records how long a held request waited.
+    pub fn record_wait(&self, ms: u64) {
+        if let Some(id) = self.wait {
+            let _ = hostcalls::record_metric(id, ms);
+        }
     }
 }
 

@@ -16,6 +16,15 @@
 //! the others' load at once; requests look at the snapshot's version stamp
 //! at most once per millisecond per worker, so a push is in use within 1 ms.
 //!
+//! With admission control on (`admission.enabled`, kvroute_core::admit), a
+//! parsed request that finds the fleet saturated is answered at once (429
+//! with `Retry-After` when its objective is sheddable) or held: the stream
+//! stays paused, its facts wait in the worker's queue, and the root
+//! context's tick sends it on (decision, destination header, then
+//! `resume_http_request` on its context) once the fleet has room, or
+//! answers it when a queue bound says so. The stream adopts the decision
+//! the tick made for it at its first response byte (or at its end).
+//!
 //! Nothing here panics: host calls go through `proxy_wasm::hostcalls`, whose
 //! errors are mapped or skipped, and every malformed input is a fallback
 //! decision plus a counter.
@@ -23,13 +32,15 @@
 mod host;
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
+use kvroute_core::admit::{self, Held, Objective, Refusal, Verdict};
 use kvroute_core::answers::{self, Expectation};
 use kvroute_core::config::Role;
 use kvroute_core::decide::{self, Decision, Unparsed};
-use kvroute_core::host::{header_text, Counter, Gauge, Metrics, Tally};
+use kvroute_core::host::{header_text, AdmissionCounter, Counter, Gauge, Metrics, Tally};
 use kvroute_core::index::IndexCache;
 use kvroute_core::ingest::{self, FleetCache, Outcome, Refresh, INGEST_PATH};
 use kvroute_core::load::{self, Charge};
@@ -66,6 +77,29 @@ struct Shared {
     /// When this worker last logged a refused conflicting push (one line
     /// per lease, not one per push).
     conflict_logged_ms: Cell<u64>,
+    /// Requests held while the fleet is saturated (admission control).
+    held: RefCell<admit::Queue<Parked>>,
+    /// Decisions the tick made for held requests, until their stream
+    /// adopts them (by context id).
+    sent_on: RefCell<HashMap<u32, Dispatched>>,
+    /// Admission counts since the tick by objective slot, by
+    /// `AdmissionCounter::ALL`.
+    admission_counts: RefCell<Vec<[u64; AdmissionCounter::ALL.len()]>>,
+    /// The queue length last added to the gauge.
+    held_published: Cell<i64>,
+}
+
+/// A held request: what its decision needs.
+struct Parked {
+    facts: decide::Facts,
+    objective: Objective,
+}
+
+/// What a decision left for its stream: the decision and the cache
+/// expectation to check against the answer.
+struct Dispatched {
+    decision: Decision,
+    expectation: Option<Expectation>,
 }
 
 /// The gateway's clock in Unix milliseconds (0 if the host refuses).
@@ -121,6 +155,226 @@ impl Shared {
         let (prefill, memory) = load::read(&HostSharedData, &self.config.load_key).totals();
         self.metrics.gauge(Gauge::InflightPrefillTokens, prefill);
         self.metrics.gauge(Gauge::InflightMemoryTokens, memory);
+        if self.config.admission.enabled {
+            self.drain_held(now);
+            self.publish_admission();
+        }
+    }
+
+    fn count_admission(&self, objective: Objective, c: AdmissionCounter) {
+        let Ok(mut rows) = self.admission_counts.try_borrow_mut() else {
+            return;
+        };
+        let i = AdmissionCounter::ALL.iter().position(|x| *x == c);
+        if let Some(n) = i.and_then(|i| rows.get_mut(objective.slot()).and_then(|r| r.get_mut(i))) {
+            *n = n.saturating_add(1);
+        }
+    }
+
+    fn publish_admission(&self) {
+        if let Ok(mut rows) = self.admission_counts.try_borrow_mut() {
+            for (slot, row) in rows.iter_mut().enumerate() {
+                for (c, n) in AdmissionCounter::ALL.iter().zip(row.iter_mut()) {
+                    self.metrics.count_admission(slot, *c, std::mem::take(n));
+                }
+            }
+        }
+        let len = self.held.try_borrow().map_or(0, |q| q.len());
+        let len = i64::try_from(len).unwrap_or(i64::MAX);
+        self.metrics.gauge_add(
+            Gauge::AdmissionQueued,
+            len - self.held_published.replace(len),
+        );
+    }
+
+    /// Whether the fleet has room for `facts` now.
+    fn headroom(&self, id: u32, facts: &decide::Facts, now: u64) -> bool {
+        self.refresh_fleet(id, now, false);
+        let view = self.fleet.try_borrow().ok().and_then(|c| c.current());
+        let table = load::read(&HostSharedData, &self.config.load_key);
+        decide::headroom(&self.config, facts, view.as_deref(), &table, now)
+    }
+
+    /// The tick's work on held requests: answer those past their wait,
+    /// then send on the head of the queue while the fleet has room for it.
+    fn drain_held(&self, now: u64) {
+        let expired = match self.held.try_borrow_mut() {
+            Ok(mut q) => q.expire(now),
+            Err(_) => return,
+        };
+        for h in expired {
+            self.refuse_held(h, Refusal::Timeout, now);
+        }
+        loop {
+            let room = match self.held.try_borrow() {
+                Ok(q) => match q.front() {
+                    Some(h) => self.headroom(0, &h.item.facts, now),
+                    None => break,
+                },
+                Err(_) => break,
+            };
+            if !room {
+                break;
+            }
+            let Some(h) = self.held.try_borrow_mut().ok().and_then(|mut q| q.pop()) else {
+                break;
+            };
+            self.send_on(h, now);
+        }
+    }
+
+    /// Sends a held request on: decides on its context, leaves the
+    /// decision for its stream, resumes it.
+    fn send_on(&self, h: Held<Parked>, now: u64) {
+        let Ok(id) = u32::try_from(h.handle) else {
+            return;
+        };
+        self.metrics.record_wait(now.saturating_sub(h.since_ms));
+        if hostcalls::set_effective_context(id).is_err() {
+            // The stream is gone (its on_log already took it out, so
+            // this is not expected).
+            self.count_admission(h.item.objective, AdmissionCounter::Abandoned);
+            return;
+        }
+        self.count_admission(h.item.objective, AdmissionCounter::Admitted);
+        let (dispatched, action) = dispatch(self, id, Ok(&h.item.facts), now);
+        if let Ok(mut m) = self.sent_on.try_borrow_mut() {
+            m.insert(id, dispatched);
+        }
+        if action == Action::Continue {
+            if let Err(e) = hostcalls::resume_http_request() {
+                log::warn!("[{id}] kvroute: cannot resume a held request: {e:?}");
+            }
+        }
+    }
+
+    /// Answers a held request with its refusal, on its context.
+    fn refuse_held(&self, h: Held<Parked>, why: Refusal, now: u64) {
+        let Ok(id) = u32::try_from(h.handle) else {
+            return;
+        };
+        self.metrics.record_wait(now.saturating_sub(h.since_ms));
+        if hostcalls::set_effective_context(id).is_err() {
+            self.count_admission(h.item.objective, AdmissionCounter::Abandoned);
+            return;
+        }
+        log::debug!(
+            "[{id}] kvroute: held request answered: {} after {} ms",
+            why.kind(),
+            now.saturating_sub(h.since_ms)
+        );
+        self.refuse(id, h.item.objective, why);
+    }
+
+    /// Answers the current stream with an admission refusal.
+    fn refuse(&self, id: u32, objective: Objective, why: Refusal) {
+        self.count_admission(objective, AdmissionCounter::Shed);
+        drop_client_destination(self, id);
+        let cfg = &self.config.admission;
+        let retry = cfg.retry_after_s.to_string();
+        let body = why.body(cfg, objective);
+        let headers = vec![
+            ("content-type", "application/json"),
+            ("retry-after", retry.as_str()),
+        ];
+        if let Err(e) =
+            hostcalls::send_http_response(why.status(objective), headers, Some(body.as_bytes()))
+        {
+            log::warn!("[{id}] kvroute: cannot send admission reply: {e:?}");
+        }
+    }
+}
+
+/// Decides for the current stream (the effective context: the stream's
+/// own callback, or a held request the tick sends on), sets the
+/// destination header, and returns what the stream keeps and the action.
+fn dispatch(
+    shared: &Shared,
+    id: u32,
+    facts: Result<&decide::Facts, Unparsed>,
+    now: u64,
+) -> (Dispatched, Action) {
+    shared.refresh_fleet(id, now, false);
+    let view = shared.fleet.try_borrow().ok().and_then(|c| c.current());
+    let cfg = &shared.config;
+    let d = match shared.index.try_borrow_mut() {
+        Ok(mut cache) => decide::route(
+            cfg,
+            &HostSharedData,
+            &shared.tally,
+            &mut cache,
+            facts,
+            view.as_deref(),
+            now,
+            u64::from(id),
+        ),
+        Err(_) => {
+            drop_client_destination(shared, id);
+            return (
+                Dispatched {
+                    decision: Decision {
+                        reason: decide::Reason::Fallback,
+                        pick: None,
+                        targets: Vec::new(),
+                        degraded: true,
+                        key: None,
+                        charge: None,
+                        expected_cached: 0,
+                    },
+                    expectation: None,
+                },
+                Action::Continue,
+            );
+        }
+    };
+    log::debug!(
+        "[{id}] kvroute decision reason={} key={:?} targets={:?} degraded={} expected_cached={} unparsed={:?}",
+        d.reason.as_str(),
+        d.key,
+        d.targets,
+        d.degraded,
+        d.expected_cached,
+        facts.err()
+    );
+    let expectation = facts.ok().and_then(|f| Expectation::of(f, &d, now));
+    let action = if d.targets.is_empty() {
+        let model = facts.map(|f| f.model.as_str()).unwrap_or("");
+        let body = serde_json::json!({"error": {
+            "message": format!("kvroute: no ready replica serves model {model:?}"),
+            "type": "no_replica",
+            "model": model,
+        }})
+        .to_string();
+        drop_client_destination(shared, id);
+        json_reply(503, Some(&body));
+        Action::Pause
+    } else {
+        let value = decide::destination(&d);
+        if let Err(e) = hostcalls::set_map_value(
+            MapType::HttpRequestHeaders,
+            &cfg.destination_header,
+            Some(&value),
+        ) {
+            log::warn!("[{id}] kvroute: cannot set destination header: {e:?}");
+            drop_client_destination(shared, id);
+        }
+        Action::Continue
+    };
+    (
+        Dispatched {
+            decision: d,
+            expectation,
+        },
+        action,
+    )
+}
+
+/// Removes every copy of the destination header a client sent, where
+/// the filter does not replace it.
+fn drop_client_destination(shared: &Shared, id: u32) {
+    let name = &shared.config.destination_header;
+    if let Err(e) = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name) {
+        log::warn!("[{id}] kvroute: cannot remove client destination header: {e:?}");
     }
 }
 
@@ -177,9 +431,24 @@ impl RootContext for Root {
                     ),
                     Role::Ingest => log::info!("kvroute: ingest configured at POST {INGEST_PATH}"),
                 }
+                let objectives: Vec<&str> = if config.admission.enabled {
+                    std::iter::once(admit::DEFAULT_OBJECTIVE)
+                        .chain(config.admission.objectives.iter().map(|(n, _)| n.as_str()))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let metrics = HostMetrics::define(&objectives);
+                let admission_counts =
+                    RefCell::new(vec![[0; AdmissionCounter::ALL.len()]; objectives.len()]);
+                let held = RefCell::new(admit::Queue::new(&config.admission));
                 self.shared = Some(Rc::new(Shared {
                     config,
-                    metrics: HostMetrics::define(),
+                    metrics,
+                    held,
+                    sent_on: RefCell::new(HashMap::new()),
+                    admission_counts,
+                    held_published: Cell::new(0),
                     tally: Tally::default(),
                     index: RefCell::new(IndexCache::default()),
                     fleet: RefCell::new(FleetCache::default()),
@@ -215,6 +484,8 @@ impl RootContext for Root {
             model: None,
             tracker: Tracker::Off,
             expectation: None,
+            objective: Objective::default(),
+            held: false,
         }))
     }
 
@@ -247,6 +518,11 @@ struct Stream {
     /// What the decision expected cached on its primary, until the answer
     /// says what was (only for decisions that expected a hit).
     expectation: Option<Expectation>,
+    /// The objective the request named (admission control).
+    objective: Objective,
+    /// Held in the worker's queue, or sent on by the tick with a decision
+    /// not yet adopted.
+    held: bool,
 }
 
 /// A header as text; missing, unreadable or not UTF-8 reads as `None`.
@@ -276,78 +552,113 @@ impl Stream {
     /// Decides once, sets the destination header, and returns the action.
     fn decide(&mut self, facts: Result<decide::Facts, Unparsed>, now: u64) -> Action {
         let shared = Rc::clone(&self.shared);
-        shared.refresh_fleet(self.id, now, false);
-        let view = shared.fleet.try_borrow().ok().and_then(|c| c.current());
-        let cfg = &shared.config;
-        let Ok(mut cache) = shared.index.try_borrow_mut() else {
-            self.drop_client_destination();
-            return Action::Continue;
-        };
-        let d = decide::route(
-            cfg,
-            &HostSharedData,
-            &shared.tally,
-            &mut cache,
-            facts.as_ref().map_err(|u| *u),
-            view.as_deref(),
-            now,
-            u64::from(self.id),
-        );
-        drop(cache);
-        log::debug!(
-            "[{}] kvroute decision reason={} key={:?} targets={:?} degraded={} expected_cached={} unparsed={:?}",
-            self.id,
-            d.reason.as_str(),
-            d.key,
-            d.targets,
-            d.degraded,
-            d.expected_cached,
-            facts.as_ref().err()
-        );
-        self.pending = d.charge;
-        self.expectation = facts
-            .as_ref()
-            .ok()
-            .and_then(|f| Expectation::of(f, &d, now));
-        let action = if d.targets.is_empty() {
-            let model = facts.as_ref().map(|f| f.model.as_str()).unwrap_or("");
-            let body = serde_json::json!({"error": {
-                "message": format!("kvroute: no ready replica serves model {model:?}"),
-                "type": "no_replica",
-                "model": model,
-            }})
-            .to_string();
-            self.drop_client_destination();
-            json_reply(503, Some(&body));
-            Action::Pause
-        } else {
-            let value = decide::destination(&d);
-            if let Err(e) = hostcalls::set_map_value(
-                MapType::HttpRequestHeaders,
-                &cfg.destination_header,
-                Some(&value),
-            ) {
-                log::warn!(
-                    "[{}] kvroute: cannot set destination header: {e:?}",
-                    self.id
-                );
-                self.drop_client_destination();
-            }
-            Action::Continue
-        };
-        self.decision = Some(d);
+        let (d, action) = dispatch(&shared, self.id, facts.as_ref().map_err(|u| *u), now);
+        self.keep(d);
         action
     }
 
-    /// Removes every copy of the destination header a client sent, where
-    /// the filter does not replace it.
-    fn drop_client_destination(&self) {
-        let name = &self.shared.config.destination_header;
-        if let Err(e) = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name) {
-            log::warn!(
-                "[{}] kvroute: cannot remove client destination header: {e:?}",
-                self.id
-            );
+    fn keep(&mut self, d: Dispatched) {
+        self.pending = d.decision.charge;
+        self.expectation = d.expectation;
+        self.decision = Some(d.decision);
+    }
+
+    /// Admission control for a parsed request: on now, answered now, or
+    /// held for the tick.
+    fn admit(&mut self, facts: decide::Facts, now: u64) -> Action {
+        let shared = Rc::clone(&self.shared);
+        let cfg = &shared.config.admission;
+        let room = shared.headroom(self.id, &facts, now);
+        let verdict = match shared.held.try_borrow() {
+            Ok(q) => admit::arrive(cfg, self.objective, room, &q),
+            Err(_) => Verdict::Admit,
+        };
+        let key = facts.affinity.key();
+        match verdict {
+            Verdict::Admit => {
+                shared.count_admission(self.objective, AdmissionCounter::Admitted);
+                self.decide(Ok(facts), now)
+            }
+            Verdict::Refuse(why) => {
+                shared.refuse(self.id, self.objective, why);
+                Action::Pause
+            }
+            Verdict::Hold => {
+                let parked = Parked {
+                    facts,
+                    objective: self.objective,
+                };
+                let pushed = match shared.held.try_borrow_mut() {
+                    Ok(mut q) => q.push(
+                        u64::from(self.id),
+                        self.objective.priority,
+                        key,
+                        now,
+                        parked,
+                    ),
+                    Err(_) => Err((Refusal::QueueFull, parked)),
+                };
+                match pushed {
+                    Ok(displaced) => {
+                        shared.count_admission(self.objective, AdmissionCounter::Queued);
+                        self.held = true;
+                        log::debug!(
+                            "[{}] kvroute: fleet saturated; request held (priority {})",
+                            self.id,
+                            self.objective.priority
+                        );
+                        if let Some(d) = displaced {
+                            shared.refuse_held(d, Refusal::Displaced, now);
+                            // Back to this stream's context.
+                            let _ = hostcalls::set_effective_context(self.id);
+                        }
+                        Action::Pause
+                    }
+                    Err((why, _)) => {
+                        shared.refuse(self.id, self.objective, why);
+                        Action::Pause
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes over the decision the tick made for this held stream, or,
+    /// when it is still held, nothing.
+    fn adopt(&mut self) {
+        if !self.held {
+            return;
+        }
+        let sent = self
+            .shared
+            .sent_on
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut m| m.remove(&self.id));
+        if let Some(d) = sent {
+            self.held = false;
+            self.keep(d);
+        }
+    }
+
+    /// The client left: a request still held leaves the queue.
+    fn leave_queue(&mut self) {
+        if !self.held {
+            return;
+        }
+        self.held = false;
+        let shared = Rc::clone(&self.shared);
+        let gone = shared
+            .held
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut q| q.remove(u64::from(self.id)));
+        if let Some(h) = gone {
+            shared
+                .metrics
+                .record_wait(now_ms().saturating_sub(h.since_ms));
+            shared.count_admission(h.item.objective, AdmissionCounter::Abandoned);
+            log::debug!("[{}] kvroute: held request's client left", self.id);
         }
     }
 
@@ -376,7 +687,10 @@ impl Stream {
             decide::apply_prior_value(f, prior);
             self.model = Some(f.model.clone());
         }
-        self.decide(facts, now)
+        match facts {
+            Ok(f) if self.shared.config.admission.enabled => self.admit(f, now),
+            other => self.decide(other, now),
+        }
     }
 
     /// Compares the answer's cached tokens with what the decision expected
@@ -454,6 +768,10 @@ impl HttpContext for Stream {
             return self.decide(Err(Unparsed::NotInference), now_ms());
         }
         self.session = cfg.session_headers.iter().find_map(|h| header(h));
+        if cfg.admission.enabled {
+            let named = header(&cfg.admission.objective_header);
+            self.objective = Objective::of(&cfg.admission, named.as_deref());
+        }
         if end_of_stream {
             return self.decide(Err(Unparsed::Empty), now_ms());
         }
@@ -469,6 +787,9 @@ impl HttpContext for Stream {
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if self.decision.is_some() {
             return Action::Continue;
+        }
+        if self.held {
+            return Action::Pause;
         }
         self.body_size = body_size;
         if body_size > self.shared.config.max_body_bytes {
@@ -487,11 +808,15 @@ impl HttpContext for Stream {
         if self.decision.is_some() {
             return Action::Continue;
         }
+        if self.held {
+            return Action::Pause;
+        }
         self.decide_buffered()
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         // First response byte: the prompt has been prefilled.
+        self.adopt();
         self.release(true);
         // A sample of the responses teaches the output-length prior, and
         // every answer to a decision that expected a prefix hit says how
@@ -557,6 +882,8 @@ impl HttpContext for Stream {
     }
 
     fn on_log(&mut self) {
+        self.adopt();
+        self.leave_queue();
         self.release(false);
     }
 }

@@ -64,6 +64,13 @@ OH_BUFFER = 16 << 20
 ODST_MAX_BODY = 1 << 20  # the shipped default
 INGEST_MAX = 4 << 20  # the shipped ingest.maxBytes
 FRESH = {"staleAfterMs": 120_000}
+# The "oh" stack runs admission control (kvroute_core::admit): every case
+# goes through it, and the objective-* cases aim at it.
+OBJECTIVE = "x-gateway-inference-objective"
+ADMISSION = {
+    "objectives": {"premium": {"priority": 10}, "batch": {"priority": -1}},
+    "admission": {"enabled": True, "maxWaitMs": 1000},
+}
 REQUEST_HEADERS_TIMEOUT_S = 10.0  # both shipped configs
 
 
@@ -238,7 +245,7 @@ def _env(request, name: str, decoys: Decoys) -> Env:
     if name == "oh":
         stack = BufferStack(
             buffer=OH_BUFFER, replicas=4, concurrency=2, ingest_token=TOKEN,
-            plugin_overrides={"maxBodyBytes": OH_MAX_BODY, "fleet": FRESH},
+            plugin_overrides={"maxBodyBytes": OH_MAX_BODY, "fleet": FRESH, **ADMISSION},
         )
         max_body = OH_MAX_BODY
     else:
@@ -974,6 +981,52 @@ def _(env: Env):
     hdrs = [(k.encode(), v.encode()) for k, v in hdrs] + [(b"x-session-id", b"\xff\xfe"), (b"x-other", b"\x80")]
     res = env.h2([H2Stream(hdrs, GOOD)], validate=False)
     env.served(res.answers[0], "prefix")
+
+
+@case("objective-repeated", "oh", "the objective header three times: `batch`, `premium`, `gold`, on a free fleet",
+      "200, reason=session (a free fleet admits whatever the objective)")
+def _(env: Env):
+    head = [("content-type", "application/json"), ("x-session-id", "objective-rep"),
+            (OBJECTIVE, "batch"), (OBJECTIVE, "premium"), (OBJECTIVE, "gold")]
+    env.served(env.h1_one("POST", CHAT, head, GOOD), "session")
+
+
+@case("objective-huge-and-non-utf8", "oh", "objective header of 32 KiB; and one of bytes 0xff 0xfe 0x80; free fleet",
+      "200, reason=session")
+def _(env: Env):
+    for value in (b"premium" * 4700, b"\xff\xfe\x80"):
+        head = [("content-type", "application/json"), ("x-session-id", "objective-odd"), (OBJECTIVE.encode(), value)]
+        env.served(env.h1_one("POST", CHAT, head, GOOD), "session")
+
+
+@case("objective-saturated", "oh",
+      "snapshot with 100 requests waiting on every replica; `batch`, then 32 KiB, 0xff 0xfe and repeated "
+      "`premium`,`batch` objectives",
+      "429 with Retry-After for `batch`; the malformed ones are the default objective: held, then 503 "
+      "queue_timeout after maxWaitMs (1 s); nothing reaches a replica; the baseline snapshot restored")
+def _(env: Env):
+    before = env.replica_requests()
+    r = env.push(j(make_snapshot(env.stack.fleet_states(models=["test-model"], waiting=100))))
+    assert r.status == 204, r
+    try:
+        shed = env.h1_one("POST", CHAT, [("content-type", "application/json"), (OBJECTIVE, "batch")], GOOD)
+        assert shed.status == 429 and shed.served_by is None, shed.describe()
+        assert dict((k.lower(), v) for k, v in shed.headers).get("retry-after") == "1", shed.describe()
+        assert (shed.json or {}).get("error", {}).get("type") == "saturated", shed.describe()
+        for value in (b"premium" * 4700, b"\xff\xfe"):
+            head = [("content-type", "application/json"), (OBJECTIVE.encode(), value)]
+            r = env.h1_one("POST", CHAT, head, GOOD, timeout=10)
+            assert r.status == 503 and r.served_by is None, r.describe()
+            err = (r.json or {}).get("error", {})
+            assert err.get("type") == "queue_timeout" and err.get("objective") == "default", r.describe()
+        head = [("content-type", "application/json"), (OBJECTIVE, "premium"), (OBJECTIVE, "batch")]
+        r = env.h1_one("POST", CHAT, head, GOOD, timeout=10)
+        # Envoy hands the filter one value of a repeated header: premium
+        # (held, then 503) or the list (unknown: the default, the same).
+        assert r.status == 503 and r.served_by is None, r.describe()
+        assert env.replica_requests() == before
+    finally:
+        env.push_baseline()
 
 
 @case("utf8-invalid-path", "oh", "request line `POST /v1/chat/completions\\xff`",

@@ -6,7 +6,7 @@
 //! the result into the immutable [`Config`] that the request path uses. Raw
 //! config never reaches the request path.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
 
@@ -51,6 +51,58 @@ pub struct RawConfig {
     /// Required for the ingest role.
     #[serde(default)]
     pub ingest: Option<RawIngest>,
+    /// Named objectives a request may ask for in the objective header
+    /// (GIE's `x-gateway-inference-objective`), each with a priority.
+    #[serde(default)]
+    pub objectives: BTreeMap<String, RawObjective>,
+    /// Holding and shedding requests when the fleet is saturated
+    /// ([`crate::admit`]). Off unless enabled.
+    #[serde(default)]
+    pub admission: RawAdmission,
+}
+
+/// One objective: its priority (below 0: sheddable).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RawObjective {
+    pub priority: i32,
+}
+
+/// Admission control ([`crate::admit`]).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RawAdmission {
+    #[serde(default)]
+    pub enabled: bool,
+    #[serde(default = "defaults::objective_header")]
+    pub objective_header: String,
+    #[serde(default = "defaults::max_queue")]
+    pub max_queue: u32,
+    #[serde(default = "defaults::max_queued_per_key")]
+    pub max_queued_per_key: u32,
+    #[serde(default = "defaults::max_wait_ms")]
+    pub max_wait_ms: u64,
+    #[serde(default = "defaults::retry_after_s")]
+    pub retry_after_s: u32,
+    #[serde(default = "defaults::max_pending_s")]
+    pub max_pending_s: f64,
+    #[serde(default = "defaults::max_memory")]
+    pub max_memory: f64,
+}
+
+impl Default for RawAdmission {
+    fn default() -> Self {
+        RawAdmission {
+            enabled: false,
+            objective_header: defaults::objective_header(),
+            max_queue: defaults::max_queue(),
+            max_queued_per_key: defaults::max_queued_per_key(),
+            max_wait_ms: defaults::max_wait_ms(),
+            retry_after_s: defaults::retry_after_s(),
+            max_pending_s: defaults::max_pending_s(),
+            max_memory: defaults::max_memory(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -177,6 +229,38 @@ impl Default for RawCost {
 
 /// Documented defaults (also in `examples/kvroute.schema.json`).
 pub mod defaults {
+    /// The Gateway API Inference Extension's objective header.
+    pub fn objective_header() -> String {
+        "x-gateway-inference-objective".into()
+    }
+    /// Requests one worker holds at most while the fleet is saturated.
+    pub fn max_queue() -> u32 {
+        256
+    }
+    /// Requests one affinity key (a session, else a prefix) may have held
+    /// at once: one client cannot fill the queue.
+    pub fn max_queued_per_key() -> u32 {
+        16
+    }
+    /// A held request gets its 503 (429 if sheddable) after this long.
+    pub fn max_wait_ms() -> u64 {
+        10_000
+    }
+    /// `Retry-After` of a shed request, seconds.
+    pub fn retry_after_s() -> u32 {
+        1
+    }
+    /// A replica has room for one more request while the prefill ahead of
+    /// it takes at most this long at `prefillTokensPerS` (see
+    /// docs/fleet-state.md, "Admission", for the measurement).
+    pub fn max_pending_s() -> f64 {
+        1.0
+    }
+    /// ... and its predicted KV use with the request stays at most this
+    /// share of its capacity.
+    pub fn max_memory() -> f64 {
+        0.95
+    }
     /// The Gateway API Inference Extension's header, so kvroute drops into
     /// gateways already wired for GIE.
     pub fn destination_header() -> String {
@@ -393,6 +477,23 @@ pub struct Config {
     pub role: Role,
     pub fleet: FleetConfig,
     pub ingest: Option<IngestConfig>,
+    pub admission: AdmissionConfig,
+}
+
+/// Compiled admission settings ([`crate::admit`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdmissionConfig {
+    pub enabled: bool,
+    pub objective_header: String,
+    /// The configured objectives, sorted by name; a request's objective is
+    /// an index into this list, or none (the default, priority 0).
+    pub objectives: Vec<(String, i32)>,
+    pub max_queue: usize,
+    pub max_queued_per_key: usize,
+    pub max_wait_ms: u64,
+    pub retry_after_s: u32,
+    pub max_pending_s: f64,
+    pub max_memory: f64,
 }
 
 /// Compiled fleet-scoring settings.
@@ -438,6 +539,14 @@ pub struct IngestConfig {
 pub const MAX_HOSTS: usize = 4096;
 pub const MAX_FALLBACKS: u32 = 16;
 pub const MAX_BODY_BYTES: u64 = 64 << 20;
+/// Most objectives a config may name (each has its own metric series).
+pub const MAX_OBJECTIVES: usize = 32;
+/// Longest objective name (a metric label).
+pub const MAX_OBJECTIVE_NAME: usize = 63;
+/// Largest `admission.maxQueue`.
+pub const MAX_QUEUE: u32 = 65_536;
+/// Largest `admission.maxWaitMs` (ten minutes).
+pub const MAX_WAIT_MS: u64 = 600_000;
 /// Largest `loadFloorTokens` (a billion tokens: effectively no bound).
 pub const MAX_LOAD_FLOOR_TOKENS: u64 = 1 << 30;
 
@@ -738,7 +847,10 @@ impl RawConfig {
             owner_key: format!("{prefix}.fleet.owner.v1"),
             index_key_prefix: format!("{prefix}.px."),
         };
+        let admission =
+            compile_admission(&self.admission, &self.objectives, &self.destination_header)?;
         Ok(Config {
+            admission,
             role: self.role,
             fleet,
             ingest,
@@ -759,6 +871,105 @@ impl RawConfig {
             explain_header: self.explain_header,
         })
     }
+}
+
+/// Validates the objectives and the admission block.
+fn compile_admission(
+    a: &RawAdmission,
+    objectives: &BTreeMap<String, RawObjective>,
+    destination_header: &str,
+) -> Result<AdmissionConfig, ConfigError> {
+    if objectives.len() > MAX_OBJECTIVES {
+        return Err(err(
+            "objectives",
+            objectives.len(),
+            &format!("at most {MAX_OBJECTIVES} objectives"),
+        ));
+    }
+    for name in objectives.keys() {
+        let ok = !name.is_empty()
+            && name.len() <= MAX_OBJECTIVE_NAME
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !ok {
+            return Err(err(
+                "objectives",
+                format!("{name:?}"),
+                &format!("an objective name is 1 to {MAX_OBJECTIVE_NAME} letters, digits, '-' or '_' (it labels metrics)"),
+            ));
+        }
+        if name == crate::admit::DEFAULT_OBJECTIVE {
+            return Err(err(
+                "objectives",
+                format!("{name:?}"),
+                "is reserved for requests that name no configured objective (priority 0)",
+            ));
+        }
+    }
+    if !valid_header_name(&a.objective_header) || a.objective_header == destination_header {
+        return Err(err(
+            "admission.objectiveHeader",
+            format!("{:?}", a.objective_header),
+            "must be a lower-case HTTP header name other than destinationHeader",
+        ));
+    }
+    if a.max_queue == 0 || a.max_queue > MAX_QUEUE {
+        return Err(err(
+            "admission.maxQueue",
+            a.max_queue,
+            &format!("must be between 1 and {MAX_QUEUE}"),
+        ));
+    }
+    if a.max_queued_per_key == 0 || a.max_queued_per_key > a.max_queue {
+        return Err(err(
+            "admission.maxQueuedPerKey",
+            a.max_queued_per_key,
+            "must be between 1 and admission.maxQueue",
+        ));
+    }
+    if a.max_wait_ms == 0 || a.max_wait_ms > MAX_WAIT_MS {
+        return Err(err(
+            "admission.maxWaitMs",
+            a.max_wait_ms,
+            &format!("must be between 1 and {MAX_WAIT_MS}"),
+        ));
+    }
+    if a.retry_after_s == 0 || a.retry_after_s > 3600 {
+        return Err(err(
+            "admission.retryAfterS",
+            a.retry_after_s,
+            "must be between 1 and 3600",
+        ));
+    }
+    if !(a.max_pending_s.is_finite() && a.max_pending_s > 0.0 && a.max_pending_s <= 3600.0) {
+        return Err(err(
+            "admission.maxPendingS",
+            a.max_pending_s,
+            "must be a number of seconds above 0, at most 3600",
+        ));
+    }
+    if !(a.max_memory.is_finite() && a.max_memory > 0.0 && a.max_memory <= 1.0) {
+        return Err(err(
+            "admission.maxMemory",
+            a.max_memory,
+            "must be a share of KV capacity above 0, at most 1",
+        ));
+    }
+    Ok(AdmissionConfig {
+        enabled: a.enabled,
+        objective_header: a.objective_header.clone(),
+        objectives: objectives
+            .iter()
+            .map(|(n, o)| (n.clone(), o.priority))
+            .collect(),
+        max_queue: a.max_queue as usize,
+        max_queued_per_key: a.max_queued_per_key as usize,
+        max_wait_ms: a.max_wait_ms,
+        retry_after_s: a.retry_after_s,
+        max_pending_s: a.max_pending_s,
+        max_memory: a.max_memory,
+    })
 }
 
 #[cfg(test)]

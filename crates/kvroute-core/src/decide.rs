@@ -544,6 +544,45 @@ fn observed(
     (replicas, degraded)
 }
 
+/// Whether some replica that may take the request has room for it, by the
+/// placement's own figures: the prefill pending ahead of it (the larger of
+/// the engine's queue and the gateway's dispatches) takes at most
+/// `admission.maxPendingS` at `prefillTokensPerS`, and its memory with the
+/// request stays within `admission.maxMemory` of its KV capacity (without a
+/// capacity: KV utilisation below `kvPressure`). A replica without current
+/// engine data has room (nothing is held on missing data), and so has a
+/// gateway without a snapshot; when no replica serves the model the
+/// request goes on to get its 503 from [`route`]. Used by admission
+/// control ([`crate::admit`]); `table` is the gateway's load.
+pub fn headroom(
+    cfg: &Config,
+    facts: &Facts,
+    fleet: Option<&FleetView>,
+    table: &LoadTable,
+    now_ms: u64,
+) -> bool {
+    let Some(view) = fleet else {
+        return true;
+    };
+    let (replicas, _) = observed(cfg, facts, view, table, now_ms);
+    if replicas.is_empty() {
+        return true;
+    }
+    let a = &cfg.admission;
+    let need = facts.memory();
+    let max_pending = a.max_pending_s * cfg.fleet.prefill_tokens_per_s;
+    replicas.iter().any(|r| {
+        if !r.fresh {
+            return true;
+        }
+        let memory = match r.capacity {
+            Some(c) => r.memory.saturating_add(need) as f64 <= a.max_memory * c as f64,
+            None => r.kv < cfg.fleet.kv_pressure,
+        };
+        memory && r.pending as f64 <= max_pending
+    })
+}
+
 /// The share of the prompt the prefix index expects cached on `id`.
 fn indexed_share(hits: &[(u64, u32)], id: u64, blocks: usize) -> f64 {
     hits.iter()
@@ -1380,6 +1419,54 @@ mod tests {
             "10.0.0.1:80"
         };
         (home, other)
+    }
+
+    #[test]
+    fn headroom_is_judged_on_queue_and_memory_with_fresh_data_only() {
+        let c = cfg();
+        let f = facts(
+            &chat(json!([{"role":"user","content":"hi"}]), json!({})),
+            None,
+        );
+        let empty = LoadTable::default();
+        // Default bound: 1 s of prefill at 30k tokens/s, about 29 waiting
+        // requests of 1024 tokens.
+        let busy = |kv: f64, waiting: u32, age_ms: u64| {
+            view(
+                &[
+                    ("10.0.0.1:80", true, kv, waiting, &[]),
+                    ("10.0.0.2:80", true, kv, waiting, &[]),
+                ],
+                age_ms,
+            )
+        };
+        assert!(headroom(&c, &f, Some(&busy(0.2, 3, 0)), &empty, 5000));
+        assert!(!headroom(&c, &f, Some(&busy(0.2, 40, 0)), &empty, 5000));
+        assert!(!headroom(&c, &f, Some(&busy(0.99, 0, 0)), &empty, 5000));
+        // Stale engine data, no snapshot, or no replica for the model: room.
+        assert!(headroom(&c, &f, Some(&busy(0.99, 40, 0)), &empty, 8000));
+        assert!(headroom(&c, &f, None, &empty, 5000));
+        let other = view(&[("10.0.0.1:80", true, 0.99, 40, &["other"])], 0);
+        assert!(headroom(&c, &f, Some(&other), &empty, 5000));
+        // One replica with room is enough.
+        let mixed = view(
+            &[
+                ("10.0.0.1:80", true, 0.99, 40, &[]),
+                ("10.0.0.2:80", true, 0.1, 0, &[]),
+            ],
+            0,
+        );
+        assert!(headroom(&c, &f, Some(&mixed), &empty, 5000));
+        // The gateway's own dispatches count before the engine reports them.
+        let mut table = LoadTable::default();
+        for host in ["10.0.0.1:80", "10.0.0.2:80"] {
+            table.add(Charge {
+                host: picker::host_id(host),
+                prefill: 40_000,
+                memory: 1000,
+            });
+        }
+        assert!(!headroom(&c, &f, Some(&busy(0.2, 0, 0)), &table, 5000));
     }
 
     #[test]

@@ -181,14 +181,18 @@ pub enum Gauge {
     SnapshotAgeMs,
     /// Replicas in the snapshot in use.
     FleetHosts,
+    /// Requests held by admission control (every worker adds its own
+    /// change, so the gauge sums the workers' queues).
+    AdmissionQueued,
 }
 
 impl Gauge {
-    pub const ALL: [Gauge; 4] = [
+    pub const ALL: [Gauge; 5] = [
         Gauge::InflightPrefillTokens,
         Gauge::InflightMemoryTokens,
         Gauge::SnapshotAgeMs,
         Gauge::FleetHosts,
+        Gauge::AdmissionQueued,
     ];
 
     pub fn name(self) -> &'static str {
@@ -197,6 +201,7 @@ impl Gauge {
             Gauge::InflightMemoryTokens => "kvroute_inflight_memory_tokens",
             Gauge::SnapshotAgeMs => "kvroute_fleet_snapshot_age_ms",
             Gauge::FleetHosts => "kvroute_fleet_hosts",
+            Gauge::AdmissionQueued => "kvroute_admission_queued_requests",
         }
     }
 }
@@ -244,6 +249,49 @@ impl ReplicaCounter {
         format!("{}.replica.{label}", self.name())
     }
 }
+
+/// Admission-control counters, one series per objective
+/// ([`crate::admit`]): `<name>.objective.<objective>`, which Envoy's stats
+/// tag extraction turns into the label `objective` (objective names are
+/// `[A-Za-z0-9_-]`, checked by the config).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdmissionCounter {
+    /// Requests sent on to a replica, at once or after being held.
+    Admitted,
+    /// Requests held because the fleet was saturated.
+    Queued,
+    /// Requests answered by the gateway instead (429, or 503 past a
+    /// queue bound).
+    Shed,
+    /// Held requests whose client left before they were sent on.
+    Abandoned,
+}
+
+impl AdmissionCounter {
+    pub const ALL: [AdmissionCounter; 4] = [
+        AdmissionCounter::Admitted,
+        AdmissionCounter::Queued,
+        AdmissionCounter::Shed,
+        AdmissionCounter::Abandoned,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AdmissionCounter::Admitted => "kvroute_admission_admitted_total",
+            AdmissionCounter::Queued => "kvroute_admission_queued_total",
+            AdmissionCounter::Shed => "kvroute_admission_shed_total",
+            AdmissionCounter::Abandoned => "kvroute_admission_abandoned_total",
+        }
+    }
+
+    pub fn series(self, objective: &str) -> String {
+        format!("{}.objective.{objective}", self.name())
+    }
+}
+
+/// How long held requests waited, ms (a histogram: one value per request
+/// that left the queue, sent on or answered).
+pub const ADMISSION_WAIT_MS: &str = "kvroute_admission_wait_ms";
 
 /// Replicas that get their own series per worker.
 pub const REPLICA_SERIES: usize = 128;

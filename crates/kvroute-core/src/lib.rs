@@ -11,6 +11,8 @@
 //! - [`usage`]: what answers say (output length, cached tokens);
 //! - [`answers`]: the cached tokens an answer reports against the index's
 //!   expectation, and the entries it drops;
+//! - [`admit`]: objectives, priorities and the queue of held requests
+//!   when the fleet is saturated;
 //! - [`config`]: plugin JSON, validated and compiled;
 //! - [`host`]: the narrow host traits (shared data, metrics) and test doubles.
 
@@ -19,6 +21,7 @@
     allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)
 )]
 
+pub mod admit;
 pub mod answers;
 pub mod config;
 pub mod decide;
