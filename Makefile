@@ -35,7 +35,7 @@ CRD_TOOLS   := $(TOOLS)/crd
 
 .PHONY: all build wasm collector tools targets venv wasm-bindgen test test-native test-wasm test-e2e \
         lint fmt demo up bench bench-smoke bench-tools bench-build bench-decide bench-overhead clean oci oci-tool oci-tools collector-static collector-image crd-tools \
-        faults soak sim sim-smoke sim-hour
+        faults soak sim sim-smoke sim-hour sim-overload
 
 all: build
 
@@ -254,6 +254,13 @@ sim-smoke: bench-build
 	$(BENCH_BIN) simulate --workload family --family groups --family-replicas 4 --duration 30 \
 	  --engines 4 --gateways 2 --quiet --check --out target/sim-smoke/groups > /dev/null
 	@echo "sim-smoke: every router completed every request on both families; checks passed"
+
+# Admission control under overload (docs/fleet-state.md, "Admission"): two
+# families past saturation, half the sessions sheddable, through round
+# robin and kvroute with admission off and on. About a minute.
+sim-overload: bench-build
+	$(BENCH_BIN) overload --family mix --load 2.5 --duration 180 --quiet --out target/sim-overload/mix
+	$(BENCH_BIN) overload --family bursts --load 5 --duration 180 --quiet --out target/sim-overload/bursts
 
 # One modelled hour of the chat family on 1,024 replicas (kvroute alone),
 # for the simulator's own speed and memory (docs/simulator.md).

@@ -11,8 +11,11 @@
 #![no_main]
 
 use kvroute_core::config::{Role, MAX_BODY_BYTES, MAX_FALLBACKS, MAX_HOSTS};
-use kvroute_core::decide::{self, FleetInput};
+use kvroute_core::admit::{self, Objective};
+use kvroute_core::decide;
 use kvroute_core::host::{MemoryMetrics, MemorySharedData};
+use kvroute_core::index::IndexCache;
+use kvroute_core::load;
 use kvroute_core::{analyze, Config, Endpoint};
 use libfuzzer_sys::fuzz_target;
 
@@ -48,13 +51,30 @@ fuzz_target!(|bytes: &[u8]| {
     let facts = analyze(&config, Endpoint::ChatCompletions, Some("session-1"), BODY);
     let store = MemorySharedData::default();
     let metrics = MemoryMetrics::default();
+    // Admission as the filter runs it before the pick: the objective of
+    // a configured name and of an unknown one, the verdict, and a hold.
+    if let Ok(f) = facts.as_ref() {
+        let a = &config.admission;
+        let table = load::read(&store, &config.load_key);
+        let room = decide::headroom(&config, f, None, &table, 1);
+        assert!(room, "no snapshot: admission never holds");
+        let mut queue: admit::Queue<()> = admit::Queue::new(a);
+        for name in a.objectives.iter().map(|(n, _)| n.as_str()).chain(["unknown"]) {
+            let o = Objective::of(a, Some(name));
+            let _ = (o.name(a), o.slot(), admit::arrive(a, o, room, &queue));
+            let _ = queue.push(1, o.priority, f.affinity.key(), 1, ());
+        }
+        assert!(queue.len() <= a.max_queue);
+    }
     let d = decide::route(
         &config,
         &store,
         &metrics,
+        &mut IndexCache::default(),
         facts.as_ref().map_err(|u| *u),
-        None::<FleetInput<'_>>,
+        None,
         1,
+        0,
     );
     if config.role == Role::Router {
         assert!(!d.targets.is_empty(), "a router config that routes nowhere");

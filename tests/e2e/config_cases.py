@@ -56,4 +56,13 @@ BAD_PLUGIN_CONFIGS = [
     ("fleet-stale-after-zero", _with(fleet={"staleAfterMs": 0}), ["fleet.staleAfterMs"], True),
     ("fleet-queue-pressure-zero", _with(fleet={"queuePressure": 0}), ["fleet.queuePressure"], True),
     ("fleet-unknown-field", _with(fleet={"staleAfter": 500}), ["staleAfter"], True),
+    # --- objectives and admission control ----------------------------------
+    ("objective-name-with-dot", _with(objectives={"a.b": {"priority": 1}}), ["objectives"], True),
+    ("objective-named-default", _with(objectives={"default": {"priority": 1}}), ["objectives"], True),
+    ("objective-priority-not-integer", _with(objectives={"a": {"priority": "high"}}), ["priority"], True),
+    ("admission-max-queue-zero", _with(admission={"maxQueue": 0}), ["admission.maxQueue"], True),
+    ("admission-per-key-over-queue", _with(admission={"maxQueue": 4, "maxQueuedPerKey": 8}),
+     ["admission.maxQueuedPerKey"], False),
+    ("admission-max-memory-over-one", _with(admission={"maxMemory": 1.5}), ["admission.maxMemory"], True),
+    ("admission-unknown-field", _with(admission={"enable": True}), ["enable"], True),
 ]

@@ -141,6 +141,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
                     Session {
                         start_ms: t,
                         key: Some(format!("group-{g}-user-{u}")),
+                        objective: None,
                         system: Some(words(0x4752_5000_0000_0000 | g, 6144)),
                         turns: vec![Turn {
                             user: words(rng.next_u64(), clamp(rng.lognormal(64.0, 0.5), 8, 1024)),
@@ -165,6 +166,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
                     Session {
                         start_ms: t,
                         key: None,
+                        objective: None,
                         system: None,
                         turns: vec![Turn {
                             user: words(
@@ -212,6 +214,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
                     Session {
                         start_ms: t,
                         key: Some(format!("agent-{i}")),
+                        objective: None,
                         system: Some(words(0x544f_4f4c_0000_0000 | tool, system)),
                         turns,
                     }
@@ -270,6 +273,7 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
                     Session {
                         start_ms: t,
                         key: Some(format!("tenant-{tenant}-session-{i}")),
+                        objective: None,
                         system: Some(words(0x5445_4e00_0000_0000 | tenant, system)),
                         turns: (0..turns)
                             .map(|k| Turn {
@@ -325,6 +329,7 @@ fn chat_sessions(
             Session {
                 start_ms: t,
                 key: Some(format!("{tag}-{i}")),
+                objective: None,
                 system: Some(words(0x5359_5354_0000_0000 | sys, system_tokens)),
                 turns: (0..n)
                     .map(|k| Turn {

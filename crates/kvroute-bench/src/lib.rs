@@ -12,6 +12,7 @@
 //!
 //! - [`workload`]: trace reader and generators; [`families`]: the workload suite;
 //! - [`sim`]: the fleet simulation in virtual time (`simulate`, `suite`);
+//!   [`overload`]: admission control under overload in it (`overload`);
 //! - [`replay`] and [`client`]: the open-loop client;
 //! - [`engines`]: the engine sampler;
 //! - [`ceiling`]: hit-rate ceilings on the same requests;
@@ -30,6 +31,7 @@ pub mod ceiling;
 pub mod client;
 pub mod engines;
 pub mod families;
+pub mod overload;
 pub mod plot;
 pub mod records;
 pub mod replay;

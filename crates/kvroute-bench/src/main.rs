@@ -52,6 +52,44 @@ enum Command {
     /// router at one fleet size and K gateways, then a fleet-size series;
     /// writes the reports, suite.json, plots and simulation.md.
     Suite(SuiteArgs),
+    /// Admission control under overload in the fleet simulation: one
+    /// family with a sheddable and a protected objective, through round
+    /// robin and kvroute with admission off and on; writes overload.json
+    /// and overload.md.
+    Overload(Box<OverloadArgs>),
+}
+
+#[derive(Debug, Args)]
+struct OverloadArgs {
+    /// Directory for overload.json and overload.md.
+    #[arg(long)]
+    out: PathBuf,
+    /// The family (chat, groups, mix, agent, bursts, ramp, tenants).
+    #[arg(long, default_value = "bursts")]
+    family: String,
+    /// Simulated engines (the family is sized for them).
+    #[arg(long, default_value_t = 8)]
+    engines: usize,
+    /// Seconds of arrivals (modelled).
+    #[arg(long, default_value_t = 300.0)]
+    duration: f64,
+    /// Multiplies the family's calibrated arrival rate.
+    #[arg(long, default_value_t = 2.0)]
+    load: f64,
+    /// Share of sessions whose objective is `batch` (sheddable).
+    #[arg(long, default_value_t = 0.5)]
+    sheddable: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// kvroute plugin config merged under both kvroute runs (JSON object;
+    /// e.g. '{"admission":{"maxPendingS":0.5}}').
+    #[arg(long, default_value = "{}")]
+    kvroute_config: String,
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// No progress lines.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(Debug, Args)]
@@ -307,6 +345,10 @@ struct WorkloadArgs {
     /// Multiplies the family's calibrated arrival rate.
     #[arg(long, default_value_t = 1.0)]
     load: f64,
+    /// Give each session an objective (sent as `x-gateway-inference-objective`):
+    /// `batch` for this share of them (seeded), `interactive` for the rest.
+    #[arg(long)]
+    sheddable: Option<f64>,
 }
 
 fn parse_window(s: &str) -> Result<(f64, f64), String> {
@@ -331,6 +373,17 @@ fn parse_window(s: &str) -> Result<(f64, f64), String> {
 
 impl WorkloadArgs {
     fn build(&self) -> Result<Workload, String> {
+        let mut wl = self.build_sessions()?;
+        if let Some(share) = self.sheddable {
+            if !(0.0..=1.0).contains(&share) {
+                return Err(format!("--sheddable {share} must be between 0 and 1"));
+            }
+            workload::assign_objectives(&mut wl, share, self.seed);
+        }
+        Ok(wl)
+    }
+
+    fn build_sessions(&self) -> Result<Workload, String> {
         match self.workload {
             Kind::Trace => {
                 let path = self
@@ -481,6 +534,7 @@ fn main() -> ExitCode {
         Command::Report(r) => run_report(&r),
         Command::Simulate(s) => run_simulate(&s),
         Command::Suite(s) => run_suite(&s),
+        Command::Overload(o) => run_overload(&o),
     };
     match result {
         Ok(code) => code,
@@ -552,6 +606,41 @@ fn run_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
         summary.kv_spread_mean,
         100.0 * summary.sim_lag_fraction
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_overload(a: &OverloadArgs) -> Result<ExitCode, String> {
+    let config: serde_json::Value = serde_json::from_str(&a.kvroute_config)
+        .map_err(|e| format!("--kvroute-config: not JSON: {e}"))?;
+    if !config.is_object() {
+        return Err("--kvroute-config: must be a JSON object".to_owned());
+    }
+    if a.engines == 0 {
+        return Err("--engines must be positive".to_owned());
+    }
+    let o = kvroute_bench::overload::Options {
+        family: a.family.clone(),
+        replicas: a.engines,
+        duration_s: a.duration,
+        load: a.load,
+        sheddable: a.sheddable,
+        seed: a.seed,
+        kvroute_config: config,
+        engine: a.engine.config()?,
+        progress: !a.quiet,
+    };
+    eprintln!(
+        "overload: family {} at {}x its load on {} engines, {} s of arrivals, {:.0} % sheddable",
+        a.family,
+        a.load,
+        a.engines,
+        a.duration,
+        100.0 * a.sheddable
+    );
+    let report = kvroute_bench::overload::run(&o)?;
+    kvroute_bench::overload::write(&a.out, &report)?;
+    println!("{}", kvroute_bench::overload::markdown(&report));
+    eprintln!("wrote {}/overload.json and overload.md", a.out.display());
     Ok(ExitCode::SUCCESS)
 }
 

@@ -19,6 +19,9 @@ pub struct Line {
     pub seq: u64,
     pub session: usize,
     pub turn: usize,
+    /// The objective the request named, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objective: Option<String>,
     /// Wall-clock send time, Unix ms.
     pub sent_unix_ms: u64,
     /// Modelled seconds from the start of the replay to the send.
@@ -49,6 +52,7 @@ impl From<&Record> for Line {
             seq: r.seq,
             session: r.session,
             turn: r.turn,
+            objective: r.objective.clone(),
             sent_unix_ms: r.sent_unix_ms,
             sent_s: r.sent_s,
             status: o.status,
@@ -85,6 +89,7 @@ mod tests {
             seq,
             session: 3,
             turn: 1,
+            objective: None,
             sent_s: 12.5,
             sent_unix_ms: 1_700_000_000_123,
             outcome: Outcome {

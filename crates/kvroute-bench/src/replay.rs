@@ -43,6 +43,10 @@ pub struct Options {
     pub label: String,
 }
 
+/// The header a session's objective is sent in (kvroute's
+/// `admission.objectiveHeader` default, GIE's name).
+pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+
 /// One finished request.
 #[derive(Debug, Clone)]
 pub struct Record {
@@ -50,6 +54,8 @@ pub struct Record {
     pub seq: u64,
     pub session: usize,
     pub turn: usize,
+    /// The objective the request named (its session's), if any.
+    pub objective: Option<String>,
     /// Modelled seconds from the start of the replay to the send.
     pub sent_s: f64,
     /// Wall-clock time of the send, Unix ms (to line requests up with
@@ -156,6 +162,7 @@ pub fn run(workload: &Workload, opts: Options) -> Replay {
                 let turns = session.turns.len();
                 let s = Arc::clone(&shared);
                 let session_tx = tx.clone();
+                let objective = session.objective.clone();
                 let spawned = thread::Builder::new()
                     .name("session".to_owned())
                     .stack_size(512 * 1024)
@@ -166,7 +173,7 @@ pub fn run(workload: &Workload, opts: Options) -> Replay {
                         // Out of threads: report every turn as failed, never drop it.
                         for turn in 0..turns {
                             let why = format!("client: cannot start a thread: {e}");
-                            let _ = tx.send(failed(&shared, i, turn, why));
+                            let _ = tx.send(failed(&shared, i, turn, objective.clone(), why));
                         }
                     }
                 }
@@ -239,11 +246,18 @@ fn progress(total: u64, label: &str) -> ProgressBar {
     bar
 }
 
-fn failed(s: &Shared, session: usize, turn: usize, why: String) -> Record {
+fn failed(
+    s: &Shared,
+    session: usize,
+    turn: usize,
+    objective: Option<String>,
+    why: String,
+) -> Record {
     Record {
         seq: s.seq.fetch_add(1, Ordering::Relaxed),
         session,
         turn,
+        objective,
         sent_s: s.started.elapsed().as_secs_f64() * s.opts.time_scale,
         sent_unix_ms: unix_ms(),
         outcome: Outcome {
@@ -266,10 +280,13 @@ fn run_session(s: &Shared, index: usize, session: &Session, tx: &mpsc::Sender<Re
     if let Some(sys) = system {
         history.push(("system", sys));
     }
-    let headers: Vec<(String, String)> = match (&s.opts.session_header, &session.key) {
+    let mut headers: Vec<(String, String)> = match (&s.opts.session_header, &session.key) {
         (Some(h), Some(k)) => vec![(h.clone(), k.clone())],
         _ => Vec::new(),
     };
+    if let Some(o) = &session.objective {
+        headers.push((OBJECTIVE_HEADER.to_owned(), o.clone()));
+    }
     for (turn_no, turn) in session.turns.iter().enumerate() {
         if turn.think_ms > 0.0 {
             thread::sleep(Duration::from_secs_f64(
@@ -286,6 +303,7 @@ fn run_session(s: &Shared, index: usize, session: &Session, tx: &mpsc::Sender<Re
                     s,
                     index,
                     turn_no,
+                    session.objective.clone(),
                     format!("client: cannot encode the request: {e}"),
                 ));
                 continue;
@@ -323,6 +341,7 @@ fn run_session(s: &Shared, index: usize, session: &Session, tx: &mpsc::Sender<Re
             seq,
             session: index,
             turn: turn_no,
+            objective: session.objective.clone(),
             sent_s,
             sent_unix_ms,
             outcome,

@@ -111,6 +111,34 @@ pub fn markdown(r: &Report) -> String {
             first.workload.summary, first.workload.requests
         );
     }
+    if r.runs.iter().any(|run| !run.objectives.is_empty()) {
+        let _ = writeln!(
+            s,
+            "\nBy objective (admission control; TTFT from the client's send, time held in the gateway included; \
+             goodput: output tokens of completed requests per second of the run):\n\n\
+             | router | gateways | objective | requests | completed | shed by the gateway | other errors | TTFT p50 / p95 / p99 (ms) | goodput (tok/s) |\n\
+             |---|---|---|---|---|---|---|---|---|"
+        );
+        for run in &r.runs {
+            for (name, o) in &run.objectives {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.0} |",
+                    run.router,
+                    run.gateways,
+                    name,
+                    o.requests,
+                    o.completed,
+                    o.shed,
+                    o.failed,
+                    o.ttft_ms.p50,
+                    o.ttft_ms.p95,
+                    o.ttft_ms.p99,
+                    o.goodput_tokens_per_s
+                );
+            }
+        }
+    }
     let lagging: Vec<String> = r
         .runs
         .iter()

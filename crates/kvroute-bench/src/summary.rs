@@ -36,7 +36,8 @@ fn record(h: &mut Histogram<u64>, v: f64) {
     }
 }
 
-fn percentiles(values: impl IntoIterator<Item = f64>) -> Percentiles {
+/// Percentiles of latencies in ms (the same histogram as every summary).
+pub fn percentiles(values: impl IntoIterator<Item = f64>) -> Percentiles {
     let Some(mut h) = histogram() else {
         return Percentiles::default();
     };
@@ -120,6 +121,64 @@ pub struct RunSummary {
     pub ttft_quantiles_ms: Vec<f64>,
     /// The engine timeline (modelled time).
     pub samples: Vec<Sample>,
+    /// Per objective (admission control), when the workload's sessions
+    /// name objectives (`default` for those that name none).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub objectives: BTreeMap<String, ObjectiveFigures>,
+}
+
+/// What happened to the requests of one objective.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ObjectiveFigures {
+    pub requests: u64,
+    pub completed: u64,
+    /// Answered by the gateway's admission control (429, or 503 past a
+    /// queue bound).
+    pub shed: u64,
+    /// Other failures.
+    pub failed: u64,
+    /// TTFT of completed requests from the client's send (time held in
+    /// the gateway included), ms.
+    pub ttft_ms: Percentiles,
+    /// Output tokens of completed requests.
+    pub output_tokens: u64,
+    /// `output_tokens` per second of the run (first send to last answer).
+    pub goodput_tokens_per_s: f64,
+}
+
+/// Counts toward [`ObjectiveFigures`].
+#[derive(Debug, Clone, Default)]
+pub struct ObjectiveTally {
+    pub requests: u64,
+    pub completed: u64,
+    pub shed: u64,
+    pub failed: u64,
+    pub output_tokens: u64,
+    pub ttft_ms: Vec<f64>,
+}
+
+impl ObjectiveTally {
+    pub fn figures(&self, duration_s: f64) -> ObjectiveFigures {
+        ObjectiveFigures {
+            requests: self.requests,
+            completed: self.completed,
+            shed: self.shed,
+            failed: self.failed,
+            ttft_ms: percentiles(self.ttft_ms.iter().copied()),
+            output_tokens: self.output_tokens,
+            goodput_tokens_per_s: self.output_tokens as f64 / duration_s.max(1e-9),
+        }
+    }
+}
+
+/// Whether an answer came from kvroute's admission control: every 429,
+/// and a 503 whose JSON error names a queue bound.
+pub fn shed_by_admission(status: u16, error: &str) -> bool {
+    status == 429
+        || (status == 503
+            && ["queue_full", "key_queue_full", "queue_timeout", "displaced"]
+                .iter()
+                .any(|t| error.contains(&format!("\"type\":\"{t}\""))))
 }
 
 fn one() -> usize {
@@ -360,6 +419,7 @@ impl Tally {
             per_gateway_requests: self.per_gateway,
             ttft_quantiles_ms: quantiles(&self.ttft_ms, TTFT_QUANTILES),
             samples,
+            objectives: BTreeMap::new(),
         }
     }
 }
@@ -450,13 +510,59 @@ impl RunSummary {
                 ),
             }
         }
-        tally.finish(run, replay.samples.clone(), replay.duration_s)
+        let mut summary = tally.finish(run, replay.samples.clone(), replay.duration_s);
+        if replay.records.iter().any(|r| r.objective.is_some()) {
+            let mut by: BTreeMap<String, ObjectiveTally> = BTreeMap::new();
+            for r in &replay.records {
+                let name = r
+                    .objective
+                    .clone()
+                    .unwrap_or_else(|| kvroute_core::admit::DEFAULT_OBJECTIVE.to_owned());
+                let t = by.entry(name).or_default();
+                let o = &r.outcome;
+                t.requests += 1;
+                match &o.error {
+                    None => {
+                        t.completed += 1;
+                        t.output_tokens += o
+                            .usage
+                            .completion_tokens
+                            .unwrap_or(o.text.len().div_ceil(4) as u64);
+                        if let Some(ttft) = o.ttft_ms {
+                            t.ttft_ms.push(ttft);
+                        }
+                    }
+                    Some(e) if shed_by_admission(o.status, e) => t.shed += 1,
+                    Some(_) => t.failed += 1,
+                }
+            }
+            summary.objectives = by
+                .iter()
+                .map(|(n, t)| (n.clone(), t.figures(summary.duration_s)))
+                .collect();
+        }
+        summary
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn admission_answers_are_told_from_other_errors() {
+        assert!(shed_by_admission(429, "status 429: anything"));
+        let body = r#"status 503: {"error":{"message":"kvroute: ...","objective":"default","type":"queue_timeout"}}"#;
+        assert!(shed_by_admission(503, body));
+        let no_replica =
+            r#"status 503: {"error":{"message":"kvroute: no ready replica","type":"no_replica"}}"#;
+        assert!(!shed_by_admission(503, no_replica));
+        assert!(!shed_by_admission(
+            503,
+            "status 503: upstream connect error"
+        ));
+        assert!(!shed_by_admission(0, "transport: connection refused"));
+    }
 
     #[test]
     fn percentiles_of_known_values() {

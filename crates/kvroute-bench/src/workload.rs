@@ -130,8 +130,32 @@ pub struct Session {
     pub start_ms: f64,
     /// Sent as the session header when present.
     pub key: Option<String>,
+    /// Sent as the objective header (`x-gateway-inference-objective`)
+    /// when present.
+    pub objective: Option<String>,
     pub system: Option<Text>,
     pub turns: Vec<Turn>,
+}
+
+/// The sheddable objective of [`assign_objectives`].
+pub const BATCH: &str = "batch";
+/// The protected objective of [`assign_objectives`].
+pub const INTERACTIVE: &str = "interactive";
+
+/// Gives every session an objective by a seeded coin: [`BATCH`] for a
+/// `sheddable` share of them, [`INTERACTIVE`] for the rest (kvroute's
+/// admission control reads them from the objective header).
+pub fn assign_objectives(wl: &mut Workload, sheddable: f64, seed: u64) {
+    let mut coin = crate::rng::Rng::new(seed ^ 0x6f62_6a65_6374);
+    for s in &mut wl.sessions {
+        let batch = coin.unit() < sheddable;
+        s.objective = Some(if batch { BATCH } else { INTERACTIVE }.to_owned());
+    }
+    wl.description.summary = format!(
+        "{}; {:.0} % of sessions `{BATCH}` (sheddable), the rest `{INTERACTIVE}`",
+        wl.description.summary,
+        100.0 * sheddable
+    );
 }
 
 /// What was generated, for the report.
@@ -307,6 +331,7 @@ pub fn from_mooncake(path: &Path, opts: &TraceOptions) -> Result<Workload, Trace
         sessions.push(Session {
             start_ms: (r.timestamp - opts.start_s * 1000.0) / opts.rate,
             key,
+            objective: None,
             system: None,
             turns: vec![Turn {
                 user: Text::Blocks {
@@ -422,6 +447,7 @@ pub fn sessions(o: &SessionOptions) -> Workload {
         out.push(Session {
             start_ms: t,
             key: Some(format!("session-{s}")),
+            objective: None,
             system: Some(Text::Words {
                 key: 0x5359_5354_0000_0000 | sys,
                 bytes: o.system_tokens * BYTES_PER_TOKEN,
@@ -478,6 +504,7 @@ pub fn groups(o: &GroupOptions) -> Workload {
         out.push(Session {
             start_ms: t,
             key: Some(format!("group-{g}-user-{u}")),
+            objective: None,
             system: Some(Text::Words {
                 key: 0x4752_5000_0000_0000 | g,
                 bytes: o.prefix_tokens * BYTES_PER_TOKEN,

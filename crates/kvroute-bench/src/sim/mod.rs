@@ -60,7 +60,7 @@
 pub mod routers;
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::io::IsTerminal;
 use std::rc::Rc;
 use std::time::Instant;
@@ -77,10 +77,14 @@ use kvroute_sim::engine::{
 use crate::ceiling::Blocks;
 use crate::engines::{EngineReading, Sample};
 use crate::rng::Rng;
-use crate::summary::{Done, RunInfo, RunSummary, Tally};
+use crate::summary::{Done, ObjectiveTally, RunInfo, RunSummary, Tally};
 use crate::workload::{Session, Workload};
 
-use routers::{Request, Router, Ticket};
+use routers::{Admission, Request, Router, Ticket};
+
+/// The filter's tick period (src/lib.rs `TICK`), on which a gateway sends
+/// held requests on.
+const GATEWAY_TICK_S: f64 = 0.1;
 
 /// How requests are spread over the gateway instances.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -132,6 +136,8 @@ pub struct Outcome {
     pub decision_ns: Vec<u64>,
     /// The router's own counters (kvroute's `kvroute_*`; empty for peers).
     pub counters: std::collections::BTreeMap<String, u64>,
+    /// Per objective, the counts behind `summary.objectives`.
+    pub classes: BTreeMap<String, ObjectiveTally>,
     /// Wall-clock seconds the simulation took.
     pub wall_s: f64,
     /// Events processed.
@@ -166,6 +172,9 @@ enum Kind {
     },
     /// The engine timeline is sampled.
     Sample,
+    /// A gateway that holds requests looks at its queue (the filter's
+    /// 100 ms tick).
+    Tick { gateway: usize },
 }
 
 struct Event {
@@ -281,6 +290,11 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
     q.push(first_s, Kind::Sample);
     let mut rng = Rng::new(opts.seed ^ 0x7370_7265_6164);
     let mut flights: HashMap<(usize, u64), Flight> = HashMap::new();
+    // Admission control: requests held by a gateway, by handle.
+    let mut held: HashMap<u64, Waiting> = HashMap::new();
+    let mut next_handle = 0u64;
+    let mut ticking = vec![false; k];
+    let mut classes: BTreeMap<String, ObjectiveTally> = BTreeMap::new();
     let mut samples = Vec::new();
     let mut last_answer_s = first_s;
     let total = workload.requests();
@@ -349,70 +363,90 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                 )
                 .unwrap_or_default();
                 let prompt = chat_prompt(&state.history);
-                let key = s.key.as_deref().filter(|_| opts.session_header);
-                let prompt_tokens = prompt.len().div_ceil(BYTES_PER_TOKEN);
+                let class = classes.entry(objective_of(s)).or_default();
+                class.requests += 1;
+                next_handle += 1;
                 let req = Request {
                     body: &body,
-                    session: key,
+                    session: s.key.as_deref().filter(|_| opts.session_header),
                     messages: &state.history,
                     prompt: &prompt,
                     model: &opts.model,
-                    prompt_tokens,
+                    prompt_tokens: prompt.len().div_ceil(BYTES_PER_TOKEN),
                     max_tokens,
+                    objective: s.objective.as_deref(),
                 };
-                let routed = router.route(gateway, &req, now, &engines_view(&engines));
-                let outcome = routed.and_then(|ticket| {
-                    let e = engines
-                        .get_mut(ticket.engine)
-                        .ok_or_else(|| format!("router named engine {} of {n}", ticket.engine))?;
-                    let id = e
-                        .sched
-                        .submit(
-                            NewRequest {
-                                model: opts.model.clone(),
-                                prompt: prompt.clone(),
-                                max_tokens,
-                            },
-                            now,
-                        )
-                        .map_err(|r| format!("engine: refused: {r:?}"))?;
-                    Ok((ticket, id))
-                });
-                match outcome {
-                    Ok((ticket, id)) => {
-                        // The ceilings see prompt and answer at send time
-                        // (the answer is a function of the prompt).
-                        let answer = generated_text(opts.seed, &prompt, max_tokens);
-                        let mut all = prompt;
-                        all.extend_from_slice(answer.as_bytes());
-                        tally.sent(&Blocks {
-                            hashes: block_hashes(&opts.model, &all),
-                            prompt_blocks: prompt_tokens * BYTES_PER_TOKEN / BLOCK_BYTES,
-                            prompt_tokens: prompt_tokens as u64,
-                        });
-                        let engine = ticket.engine;
-                        flights.insert(
-                            (engine, id),
-                            Flight {
+                let admission = router.admit(gateway, &req, next_handle, now);
+                let mut world = World {
+                    engines: &mut engines,
+                    tally: &mut tally,
+                    flights: &mut flights,
+                    q: &mut q,
+                    live: &mut live,
+                    open: &mut open,
+                    classes: &mut classes,
+                    sessions,
+                    opts,
+                };
+                match admission {
+                    Admission::Go => {
+                        world.dispatch(router, session, gateway, Some((body, prompt)), now, now);
+                    }
+                    Admission::Refuse(status) => world.shed(session, status, now),
+                    Admission::Hold { displaced } => {
+                        held.insert(
+                            next_handle,
+                            Waiting {
                                 session,
-                                gateway,
-                                ticket,
-                                sent_s: now,
-                                first_s: None,
-                                last_s: now,
-                                itl_ms: Vec::new(),
-                                answer: Vec::with_capacity(max_tokens * BYTES_PER_TOKEN),
+                                arrived_s: now,
                             },
                         );
-                        if engines.get(engine).is_some_and(|e| !e.stepping) {
-                            q.push(now, Kind::Wake { engine });
+                        for (h, status) in displaced {
+                            if let Some(w) = held.remove(&h) {
+                                world.shed(w.session, status, now);
+                            }
+                        }
+                        if let Some(t) = ticking.get_mut(gateway).filter(|t| !**t) {
+                            *t = true;
+                            q.push(now + GATEWAY_TICK_S, Kind::Tick { gateway });
                         }
                     }
-                    Err(why) => {
-                        tally.failed(&why);
-                        state.history.pop();
-                        next_turn(&mut q, sessions, &mut live, session, now, &mut open);
+                }
+            }
+            Kind::Tick { gateway } => {
+                let mut world = World {
+                    engines: &mut engines,
+                    tally: &mut tally,
+                    flights: &mut flights,
+                    q: &mut q,
+                    live: &mut live,
+                    open: &mut open,
+                    classes: &mut classes,
+                    sessions,
+                    opts,
+                };
+                loop {
+                    let mut went = false;
+                    for (h, status) in router.tick(gateway, now) {
+                        let Some(w) = held.remove(&h) else {
+                            continue;
+                        };
+                        match status {
+                            None => {
+                                went = true;
+                                world.dispatch(router, w.session, gateway, None, w.arrived_s, now);
+                            }
+                            Some(status) => world.shed(w.session, status, now),
+                        }
                     }
+                    if !went {
+                        break;
+                    }
+                }
+                if router.holds(gateway) > 0 {
+                    q.push(now + GATEWAY_TICK_S, Kind::Tick { gateway });
+                } else if let Some(t) = ticking.get_mut(gateway) {
+                    *t = false;
                 }
             }
             Kind::Wake { engine } => {
@@ -449,6 +483,13 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                                 continue;
                             };
                             router.finished(f.gateway, &f.ticket, &summary, now);
+                            if let Some(s) = sessions.get(f.session) {
+                                let c = classes.entry(objective_of(s)).or_default();
+                                c.completed += 1;
+                                c.output_tokens += summary.completion_tokens as u64;
+                                c.ttft_ms
+                                    .push(1000.0 * (f.first_s.unwrap_or(now) - f.sent_s));
+                            }
                             tally.completed(
                                 &Done {
                                     ttft_ms: 1000.0 * (f.first_s.unwrap_or(now) - f.sent_s),
@@ -474,6 +515,9 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                         SeqEvent::Failed { id } => {
                             if let Some(f) = flights.remove(&(engine, id)) {
                                 router.finished_failed(f.gateway, &f.ticket, now);
+                                if let Some(s) = sessions.get(f.session) {
+                                    classes.entry(objective_of(s)).or_default().failed += 1;
+                                }
                                 tally.failed("engine: failed");
                                 if let Some(Some(state)) = live.get_mut(f.session) {
                                     state.history.pop();
@@ -543,7 +587,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
         eprintln!();
     }
     let setup = router.setup();
-    let summary = tally.finish(
+    let mut summary = tally.finish(
         RunInfo {
             router: &label,
             setup: &setup,
@@ -554,13 +598,167 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
         samples,
         last_answer_s - first_s,
     );
+    if sessions.iter().any(|s| s.objective.is_some()) {
+        summary.objectives = classes
+            .iter()
+            .map(|(n, t)| (n.clone(), t.figures(summary.duration_s)))
+            .collect();
+    }
     Outcome {
+        classes,
         summary,
         decision_ns: router.decision_ns(),
         counters: router.counters(),
         wall_s: wall.elapsed().as_secs_f64(),
         events,
         steps,
+    }
+}
+
+/// A request a gateway holds (admission control).
+struct Waiting {
+    session: usize,
+    /// When the client sent it: its TTFT counts from here.
+    arrived_s: f64,
+}
+
+fn objective_of(s: &Session) -> String {
+    s.objective
+        .clone()
+        .unwrap_or_else(|| kvroute_core::admit::DEFAULT_OBJECTIVE.to_owned())
+}
+
+/// The run's state a turn's dispatch touches.
+struct World<'a> {
+    engines: &'a mut [Engine],
+    tally: &'a mut Tally,
+    flights: &'a mut HashMap<(usize, u64), Flight>,
+    q: &'a mut Queue,
+    live: &'a mut [Option<Live>],
+    open: &'a mut usize,
+    classes: &'a mut BTreeMap<String, ObjectiveTally>,
+    sessions: &'a [Session],
+    opts: &'a Options,
+}
+
+impl World<'_> {
+    /// Routes the session's current turn (its user message is the last of
+    /// its history) through gateway `gateway` and submits it to the chosen
+    /// engine. `built`: its body and prompt, when already rendered.
+    fn dispatch(
+        &mut self,
+        router: &mut dyn Router,
+        session: usize,
+        gateway: usize,
+        built: Option<(Vec<u8>, Vec<u8>)>,
+        sent_s: f64,
+        now: f64,
+    ) {
+        let opts = self.opts;
+        let n = self.engines.len();
+        let (Some(s), Some(Some(state))) = (self.sessions.get(session), self.live.get(session))
+        else {
+            return;
+        };
+        let Some(turn) = state.next_turn.checked_sub(1).and_then(|i| s.turns.get(i)) else {
+            return;
+        };
+        let max_tokens = (turn.max_tokens as usize).max(1);
+        let (body, prompt) = built.unwrap_or_else(|| {
+            let body = crate::replay::chat_body(
+                &opts.model,
+                &state.history,
+                u32::try_from(max_tokens).unwrap_or(u32::MAX),
+            )
+            .unwrap_or_default();
+            (body, chat_prompt(&state.history))
+        });
+        let prompt_tokens = prompt.len().div_ceil(BYTES_PER_TOKEN);
+        let req = Request {
+            body: &body,
+            session: s.key.as_deref().filter(|_| opts.session_header),
+            messages: &state.history,
+            prompt: &prompt,
+            model: &opts.model,
+            prompt_tokens,
+            max_tokens,
+            objective: s.objective.as_deref(),
+        };
+        let routed = router.route(gateway, &req, now, &engines_view(self.engines));
+        let outcome = routed.and_then(|ticket| {
+            let e = self
+                .engines
+                .get_mut(ticket.engine)
+                .ok_or_else(|| format!("router named engine {} of {n}", ticket.engine))?;
+            let id = e
+                .sched
+                .submit(
+                    NewRequest {
+                        model: opts.model.clone(),
+                        prompt: prompt.clone(),
+                        max_tokens,
+                    },
+                    now,
+                )
+                .map_err(|r| format!("engine: refused: {r:?}"))?;
+            Ok((ticket, id))
+        });
+        match outcome {
+            Ok((ticket, id)) => {
+                // The ceilings see prompt and answer at send time (the
+                // answer is a function of the prompt).
+                let answer = generated_text(opts.seed, &prompt, max_tokens);
+                let mut all = prompt;
+                all.extend_from_slice(answer.as_bytes());
+                self.tally.sent(&Blocks {
+                    hashes: block_hashes(&opts.model, &all),
+                    prompt_blocks: prompt_tokens * BYTES_PER_TOKEN / BLOCK_BYTES,
+                    prompt_tokens: prompt_tokens as u64,
+                });
+                let engine = ticket.engine;
+                self.flights.insert(
+                    (engine, id),
+                    Flight {
+                        session,
+                        gateway,
+                        ticket,
+                        sent_s,
+                        first_s: None,
+                        last_s: now,
+                        itl_ms: Vec::new(),
+                        answer: Vec::with_capacity(max_tokens * BYTES_PER_TOKEN),
+                    },
+                );
+                if self.engines.get(engine).is_some_and(|e| !e.stepping) {
+                    self.q.push(now, Kind::Wake { engine });
+                }
+            }
+            Err(why) => {
+                self.tally.failed(&why);
+                self.classes.entry(objective_of(s)).or_default().failed += 1;
+                self.give_up(session, now);
+            }
+        }
+    }
+
+    /// The gateway answered the session's current turn itself (admission
+    /// control): the client goes on to its next turn without an answer.
+    fn shed(&mut self, session: usize, status: u16, now: f64) {
+        self.tally.failed(&format!(
+            "status {status}: shed by the gateway's admission control"
+        ));
+        if let Some(s) = self.sessions.get(session) {
+            self.classes.entry(objective_of(s)).or_default().shed += 1;
+        }
+        self.give_up(session, now);
+    }
+
+    /// The current turn got no answer: it leaves the history.
+    fn give_up(&mut self, session: usize, now: f64) {
+        if let Some(Some(state)) = self.live.get_mut(session) {
+            state.history.pop();
+        }
+        next_turn(self.q, self.sessions, self.live, session, now, self.open);
     }
 }
 

@@ -28,13 +28,14 @@ use std::time::Instant;
 
 use xxhash_rust::xxh64::xxh64;
 
+use kvroute_core::admit::{self, Objective, Refusal, Verdict};
 use kvroute_core::answers::{self, Expectation};
-use kvroute_core::decide;
+use kvroute_core::decide::{self, Facts};
 use kvroute_core::fleet::{HostState, Snapshot, SNAPSHOT_VERSION};
 use kvroute_core::host::{MemorySharedData, Tally};
 use kvroute_core::index::IndexCache;
 use kvroute_core::ingest::{self, FleetCache};
-use kvroute_core::load::Charge;
+use kvroute_core::load::{self, Charge};
 use kvroute_core::usage::{self, Learned, PriorCache};
 use kvroute_core::{Config, Endpoint};
 use kvroute_sim::engine::sched::{Reading, Scheduler, Summary};
@@ -55,6 +56,20 @@ pub struct Request<'a> {
     pub model: &'a str,
     pub prompt_tokens: usize,
     pub max_tokens: usize,
+    /// The objective header's value, when sent.
+    pub objective: Option<&'a str>,
+}
+
+/// What a gateway does with a request on arrival (admission control).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admission {
+    /// Route it now.
+    Go,
+    /// Held by the gateway; the held requests it displaced get their
+    /// answer (handle, HTTP status).
+    Hold { displaced: Vec<(u64, u16)> },
+    /// Answered by the gateway with this HTTP status (429 or 503).
+    Refuse(u16),
 }
 
 /// What a router keeps of a request it placed.
@@ -101,6 +116,22 @@ pub trait Router {
         now_s: f64,
         engines: &[&Scheduler],
     ) -> Result<Ticket, String>;
+    /// Admission control on arrival (`handle` names the request if it is
+    /// held). Routers without it let everything go.
+    fn admit(&mut self, _gw: usize, _req: &Request<'_>, _handle: u64, _now_s: f64) -> Admission {
+        Admission::Go
+    }
+    /// Gateway `gw`'s tick (every 100 ms while it holds requests): the
+    /// held requests answered now `(handle, Some(status))`, and at most one
+    /// that goes on now `(handle, None)`, which the caller routes before
+    /// it calls again (the next one is judged with it charged).
+    fn tick(&mut self, _gw: usize, _now_s: f64) -> Vec<(u64, Option<u16>)> {
+        Vec::new()
+    }
+    /// Requests gateway `gw` holds.
+    fn holds(&self, _gw: usize) -> usize {
+        0
+    }
     /// The first response byte.
     fn first_token(&mut self, _gw: usize, _t: &Ticket, _now_s: f64) {}
     /// The end of the stream.
@@ -232,12 +263,24 @@ pub fn build(name: &str, s: &Setup) -> Result<Box<dyn Router>, String> {
 /// mean "clock unknown" to kvroute-core).
 const ORIGIN_MS: u64 = 1_700_000_000_000;
 
-/// One Envoy worker: its caches of the gateway's shared data.
-#[derive(Default)]
+/// One Envoy worker: its caches of the gateway's shared data, and the
+/// requests it holds (admission control).
 struct KvWorker {
     index: IndexCache,
     fleet: FleetCache,
     priors: PriorCache,
+    held: admit::Queue<(Facts, Objective)>,
+}
+
+impl KvWorker {
+    fn new(cfg: &Config) -> Self {
+        Self {
+            index: IndexCache::default(),
+            fleet: FleetCache::default(),
+            priors: PriorCache::default(),
+            held: admit::Queue::new(&cfg.admission),
+        }
+    }
 }
 
 /// One gateway instance: its shared data and its workers.
@@ -263,6 +306,8 @@ pub struct Kvroute {
     model: String,
     rng: Rng,
     headers_at_submit: bool,
+    /// Admission counts, `<counter>{objective=<name>}`.
+    admission: BTreeMap<String, u64>,
 }
 
 impl Kvroute {
@@ -280,12 +325,11 @@ impl Kvroute {
         let bytes = serde_json::to_vec(&json).map_err(|e| e.to_string())?;
         let cfg = Config::from_json(&bytes).map_err(|e| format!("kvroute config: {e}"))?;
         Ok(Self {
-            cfg,
             gateways: (0..gateways)
                 .map(|_| KvGateway {
                     store: MemorySharedData::default(),
                     metrics: Tally::default(),
-                    workers: (0..s.workers.max(1)).map(|_| KvWorker::default()).collect(),
+                    workers: (0..s.workers.max(1)).map(|_| KvWorker::new(&cfg)).collect(),
                     next_stream: 0,
                 })
                 .collect(),
@@ -303,7 +347,19 @@ impl Kvroute {
             model: String::new(),
             rng: Rng::new(s.seed ^ 0x776b),
             headers_at_submit: s.headers_at_submit,
+            admission: BTreeMap::new(),
+            cfg,
         })
+    }
+
+    fn count_admission(&mut self, what: &str, objective: Objective) {
+        let name = objective.name(&self.cfg.admission);
+        *self
+            .admission
+            .entry(format!(
+                "kvroute_admission_{what}_total{{objective={name}}}"
+            ))
+            .or_insert(0) += 1;
     }
 
     fn now_ms(&self, t: f64) -> u64 {
@@ -443,6 +499,115 @@ impl Router for Kvroute {
         })
     }
 
+    /// The filter's admission step (src/lib.rs `Stream::admit`): the
+    /// worker the request lands on judges it on its own snapshot view and
+    /// the gateway's load, and holds it in its own queue.
+    fn admit(&mut self, gw: usize, req: &Request<'_>, handle: u64, now_s: f64) -> Admission {
+        if !self.cfg.admission.enabled {
+            return Admission::Go;
+        }
+        let now_ms = self.now_ms(now_s);
+        let cfg = &self.cfg;
+        let Some(g) = self.gateways.get_mut(gw) else {
+            return Admission::Go;
+        };
+        let pick = self.rng.below(g.workers.len() as u64) as usize;
+        let Some(w) = g.workers.get_mut(pick) else {
+            return Admission::Go;
+        };
+        let Ok(mut facts) = decide::analyze(cfg, Endpoint::ChatCompletions, req.session, req.body)
+        else {
+            // Unparsed requests are not subject to admission.
+            return Admission::Go;
+        };
+        let prior = w
+            .priors
+            .get(&g.store, &cfg.shared_data_prefix, &facts.model, now_ms);
+        decide::apply_prior_value(&mut facts, prior);
+        let (view, _) = w.fleet.refresh_at(cfg, &g.store, now_ms);
+        let table = load::read(&g.store, &cfg.load_key);
+        let room = decide::headroom(cfg, &facts, view.as_deref(), &table, now_ms);
+        let objective = Objective::of(&cfg.admission, req.objective);
+        let key = facts.affinity.key();
+        let verdict = admit::arrive(&cfg.admission, objective, room, &w.held);
+        let pushed = match verdict {
+            Verdict::Admit => Ok(None),
+            Verdict::Refuse(why) => Err(why),
+            Verdict::Hold => w
+                .held
+                .push(handle, objective.priority, key, now_ms, (facts, objective))
+                .map(Some)
+                .map_err(|(why, _)| why),
+        };
+        match pushed {
+            Ok(None) => {
+                self.count_admission("admitted", objective);
+                Admission::Go
+            }
+            Ok(Some(displaced)) => {
+                self.count_admission("queued", objective);
+                let mut answered = Vec::new();
+                if let Some(d) = displaced {
+                    let o = d.item.1;
+                    self.count_admission("shed", o);
+                    answered.push((d.handle, Refusal::Displaced.status(o) as u16));
+                }
+                Admission::Hold {
+                    displaced: answered,
+                }
+            }
+            Err(why) => {
+                self.count_admission("shed", objective);
+                Admission::Refuse(why.status(objective) as u16)
+            }
+        }
+    }
+
+    fn tick(&mut self, gw: usize, now_s: f64) -> Vec<(u64, Option<u16>)> {
+        let now_ms = self.now_ms(now_s);
+        let cfg = &self.cfg;
+        let Some(g) = self.gateways.get_mut(gw) else {
+            return Vec::new();
+        };
+        let table = load::read(&g.store, &cfg.load_key);
+        let mut out = Vec::new();
+        let mut shed = Vec::new();
+        let mut admitted = None;
+        for w in &mut g.workers {
+            for h in w.held.expire(now_ms) {
+                shed.push(h.item.1);
+                out.push((h.handle, Some(Refusal::Timeout.status(h.item.1) as u16)));
+            }
+            if admitted.is_some() {
+                continue;
+            }
+            let (view, _) = w.fleet.refresh_at(cfg, &g.store, now_ms);
+            let room = w
+                .held
+                .front()
+                .is_some_and(|h| decide::headroom(cfg, &h.item.0, view.as_deref(), &table, now_ms));
+            if room {
+                if let Some(h) = w.held.pop() {
+                    admitted = Some(h.item.1);
+                    out.push((h.handle, None));
+                }
+            }
+        }
+        for o in shed {
+            self.count_admission("shed", o);
+        }
+        if let Some(o) = admitted {
+            self.count_admission("admitted", o);
+        }
+        out
+    }
+
+    fn holds(&self, gw: usize) -> usize {
+        self.gateways
+            .get(gw)
+            .map_or(0, |g| g.workers.iter().map(|w| w.held.len()).sum())
+    }
+
     fn first_token(&mut self, gw: usize, t: &Ticket, _now_s: f64) {
         if let Some(c) = t.charge {
             self.release(gw, Charge { memory: 0, ..c });
@@ -509,6 +674,7 @@ impl Router for Kvroute {
                 *out.entry(c.name().to_owned()).or_insert(0) += n;
             }
         }
+        out.extend(std::mem::take(&mut self.admission));
         out
     }
 }
