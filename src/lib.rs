@@ -196,7 +196,8 @@ impl Shared {
     }
 
     /// The tick's work on held requests: answer those past their wait,
-    /// then send on the head of the queue while the fleet has room for it.
+    /// then send on, in queue order, each held request whose model has
+    /// room (a model without room keeps its requests and is passed over).
     fn drain_held(&self, now: u64) {
         let expired = match self.held.try_borrow_mut() {
             Ok(mut q) => q.expire(now),
@@ -205,18 +206,38 @@ impl Shared {
         for h in expired {
             self.refuse_held(h, Refusal::Timeout, now);
         }
+        // In queue order: the first held request of a model not yet found
+        // without room goes on if its model has room now; otherwise its
+        // model is passed over for this tick (its requests keep their
+        // order) and the walk goes on to the others.
+        let mut full: Vec<String> = Vec::new();
         loop {
-            let room = match self.held.try_borrow() {
-                Ok(q) => match q.front() {
-                    Some(h) => self.headroom(0, &h.item.facts, now),
-                    None => break,
-                },
-                Err(_) => break,
+            let next = match self.held.try_borrow() {
+                Ok(q) => q
+                    .iter()
+                    .find(|h| !full.contains(&h.item.facts.model))
+                    .map(|h| {
+                        (
+                            h.handle,
+                            self.headroom(0, &h.item.facts, now),
+                            h.item.facts.model.clone(),
+                        )
+                    }),
+                Err(_) => None,
+            };
+            let Some((handle, room, model)) = next else {
+                break;
             };
             if !room {
-                break;
+                full.push(model);
+                continue;
             }
-            let Some(h) = self.held.try_borrow_mut().ok().and_then(|mut q| q.pop()) else {
+            let Some(h) = self
+                .held
+                .try_borrow_mut()
+                .ok()
+                .and_then(|mut q| q.serve(handle))
+            else {
                 break;
             };
             self.send_on(h, now);
@@ -236,8 +257,10 @@ impl Shared {
             self.count_admission(h.item.objective, AdmissionCounter::Abandoned);
             return;
         }
-        self.count_admission(h.item.objective, AdmissionCounter::Admitted);
         let (dispatched, action) = dispatch(self, id, Ok(&h.item.facts), now);
+        if action == Action::Continue {
+            self.count_admission(h.item.objective, AdmissionCounter::Admitted);
+        }
         if let Ok(mut m) = self.sent_on.try_borrow_mut() {
             m.insert(id, dispatched);
         }
@@ -570,7 +593,9 @@ impl Stream {
         let cfg = &shared.config.admission;
         let room = shared.headroom(self.id, &facts, now);
         let verdict = match shared.held.try_borrow() {
-            Ok(q) => admit::arrive(cfg, self.objective, room, &q),
+            Ok(q) => admit::arrive(cfg, self.objective, room, &q, |p: &Parked| {
+                p.facts.model == facts.model
+            }),
             Err(_) => Verdict::Admit,
         };
         let key = facts.affinity.key();

@@ -61,7 +61,7 @@ fuzz_target!(|bytes: &[u8]| {
         let mut queue: admit::Queue<()> = admit::Queue::new(a);
         for name in a.objectives.iter().map(|(n, _)| n.as_str()).chain(["unknown"]) {
             let o = Objective::of(a, Some(name));
-            let _ = (o.name(a), o.slot(), admit::arrive(a, o, room, &queue));
+            let _ = (o.name(a), o.slot(), admit::arrive(a, o, room, &queue, |_| true));
             let _ = queue.push(1, o.priority, f.affinity.key(), 1, ());
         }
         assert!(queue.len() <= a.max_queue);

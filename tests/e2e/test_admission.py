@@ -47,12 +47,15 @@ def stack(request, wasm_path) -> harness.Stack:
 
 
 def saturate(stack: harness.Stack) -> None:
-    r = stack.push_fleet(models=["test-model"], waiting=100)
+    r = stack.push_fleet(models=MODELS, waiting=100)
     assert r.status == 204, r
 
 
+MODELS = ["test-model", "model-a", "model-b"]
+
+
 def free(stack: harness.Stack) -> None:
-    r = stack.push_fleet(models=["test-model"], waiting=0)
+    r = stack.push_fleet(models=MODELS, waiting=0)
     assert r.status == 204, r
 
 
@@ -67,9 +70,9 @@ def fresh(stack) -> harness.Stack:
 
 
 def ask(stack: harness.Stack, session: str | None, objective: str | None = None, text: str = "hello",
-        timeout: float = 15.0) -> harness.Reply:
+        timeout: float = 15.0, model: str = "test-model") -> harness.Reply:
     headers = {OBJECTIVE: objective} if objective is not None else {}
-    return send(stack.gateway_url, CHAT, json_body=chat_body(user_text=text), session=session,
+    return send(stack.gateway_url, CHAT, json_body=chat_body(user_text=text, model=model), session=session,
                 headers=headers, fresh_connection=True, timeout=timeout)
 
 
@@ -234,3 +237,23 @@ def test_malformed_objectives_are_the_default(fresh, value):
             data += chunk
     status = int(data.split(b" ", 2)[1])
     assert status == 200, data[:400]
+
+
+def test_one_saturated_model_does_not_hold_another(fresh):
+    """Replica 1 serves model-a and is saturated, replica 2 serves model-b
+    and is idle: model-a requests are held, model-b requests (any
+    objective, sheddable too) go on to replica 2 meanwhile."""
+    stack = fresh
+    a, b = stack.live_hosts
+    r = stack.push_fleet({a: {"models": ["model-a"], "waiting": 100}, b: {"models": ["model-b"]}})
+    assert r.status == 204, r
+    with ThreadPoolExecutor(1) as ex:
+        held_a = ex.submit(ask, stack, "model-a-1", None, "for a", 15.0, "model-a")
+        wait_for(lambda: held(stack) == 1, 5, "the model-a request held")
+        for objective in (None, "batch", "premium"):
+            rb = ask(stack, f"model-b-{objective}", objective, model="model-b")
+            served(rb, stack)
+            assert rb.served_by == b, rb.describe()
+        assert not held_a.done()
+        free(stack)
+        served(held_a.result(timeout=10), stack)

@@ -18,10 +18,11 @@
 //!   `maxPendingS` at `prefillTokensPerS`, and its predicted KV use with
 //!   the request within `maxMemory` of capacity. A replica without current
 //!   engine data always has headroom: nothing is held on missing data;
-//! - a request **goes on** when the fleet has headroom and no held request
-//!   of its priority or higher waits (it does not overtake them). Else a
-//!   sheddable request gets a 429 with `Retry-After` at once, and any other
-//!   is **held** in the worker's [`Queue`].
+//! - a request **goes on** when the fleet has headroom for it and no held
+//!   request of its priority or higher for the same model waits (it does
+//!   not overtake them; another model's saturation does not hold it). Else
+//!   a sheddable request gets a 429 with `Retry-After` at once, and any
+//!   other is **held** in the worker's [`Queue`].
 //!
 //! The queue serves the highest priority first. Within a priority it is
 //! fair across affinity keys (a session, else a prefix): each key's
@@ -32,15 +33,26 @@
 //!
 //! - `maxQueue` held requests: a higher-priority arrival displaces the
 //!   held request that would leave last, when its priority is lower (it
-//!   gets a 503; 429 if sheddable); an arrival that displaces none gets
-//!   one itself;
-//! - `maxQueuedPerKey` per affinity key: one client cannot fill the queue;
-//! - `maxWaitMs` in the queue: then a 503 (429 if sheddable).
+//!   gets a 503); an arrival that displaces none gets one itself;
+//! - `maxQueuedPerKey` per affinity key: one client cannot fill the queue
+//!   (without a session the key is the prompt prefix, shared by every
+//!   client that sends that prefix);
+//! - `maxWaitMs` in the queue: then a 503.
 //!
-//! The filter looks at the queue's head on every tick (100 ms) and lets
-//! it go on once [`crate::decide::headroom`] says it fits (a fresh
-//! snapshot, or the gateway's own dispatches reaching their first byte),
-//! then the next; a client that disconnects while held leaves the queue.
+//! (Sheddable requests are never held, so these answers are 503.) On every
+//! tick (100 ms) the filter walks the queue in order and sends on each
+//! held request whose model now has room by [`crate::decide::headroom`]
+//! (a fresh snapshot, or the gateway's own dispatches reaching their
+//! first byte), each charged before the next is judged; a model without
+//! room keeps its requests, in order, and does not block another model's.
+//! A client that disconnects while held leaves the queue.
+//!
+//! What a client can and cannot do: it can name any configured objective,
+//! so where clients must not choose their priority the operator sets or
+//! strips the header in front of kvroute (a route's
+//! `request_headers_to_remove`, or an auth filter that sets it); it cannot
+//! name a priority that is not configured. Requests kvroute does not parse
+//! (fallback) are not subject to admission.
 //! The queue is per worker (per VM): Envoy's workers and gateway replicas
 //! hold their own, and the fleet figures they judge by are shared.
 
@@ -145,11 +157,11 @@ impl Refusal {
 
     fn message(self) -> &'static str {
         match self {
-            Refusal::Saturated => "every replica is saturated and this request's objective is sheddable",
-            Refusal::QueueFull => "every replica is saturated and the gateway's queue is full",
-            Refusal::KeyFull => "every replica is saturated and this session already has the most requests the gateway holds for one session",
-            Refusal::Timeout => "every replica stayed saturated for as long as the gateway holds a request",
-            Refusal::Displaced => "every replica is saturated and a higher-priority request took this one's place in the gateway's queue",
+            Refusal::Saturated => "every replica that serves this model is saturated and this request's objective is sheddable",
+            Refusal::QueueFull => "every replica that serves this model is saturated and the gateway's queue is full",
+            Refusal::KeyFull => "every replica that serves this model is saturated and the gateway already holds the most requests it holds for this session (or, without one, this prompt prefix)",
+            Refusal::Timeout => "the replicas that serve this model stayed saturated for as long as the gateway holds a request",
+            Refusal::Displaced => "every replica that serves this model is saturated and a higher-priority request took this one's place in the gateway's queue",
         }
     }
 
@@ -165,14 +177,18 @@ impl Refusal {
 }
 
 /// The verdict for a parsed request on arrival: `headroom` is whether the
-/// fleet has room for it ([`crate::decide::headroom`]).
+/// replicas that may take it have room for it
+/// ([`crate::decide::headroom`]); `competes` tells the held requests it
+/// would overtake (those for the same replicas: the filter and the
+/// simulation compare models) from the others.
 pub fn arrive<T>(
     cfg: &AdmissionConfig,
     objective: Objective,
     headroom: bool,
     queue: &Queue<T>,
+    competes: impl Fn(&T) -> bool,
 ) -> Verdict {
-    if !cfg.enabled || (headroom && !queue.holds_at_or_above(objective.priority)) {
+    if !cfg.enabled || (headroom && !queue.holds_at_or_above(objective.priority, competes)) {
         Verdict::Admit
     } else if objective.sheddable() {
         Verdict::Refuse(Refusal::Saturated)
@@ -197,8 +213,9 @@ pub struct Held<T> {
 /// then arrival.
 type Place = (i64, u64, u64);
 
+/// One key's requests held at one priority.
 #[derive(Debug, Default, Clone, Copy)]
-struct KeyState {
+struct Tagged {
     held: usize,
     last_tag: u64,
 }
@@ -208,7 +225,12 @@ struct KeyState {
 pub struct Queue<T> {
     order: BTreeMap<Place, Held<T>>,
     places: HashMap<u64, Place>,
-    keys: HashMap<u64, KeyState>,
+    /// Requests held per key (all priorities).
+    keys: HashMap<u64, usize>,
+    /// Per (priority, key): requests held and the last tag handed out.
+    /// Tags are per priority, as the clocks are: a key's held premium
+    /// request says nothing of where its default one goes.
+    tags: HashMap<(i32, u64), Tagged>,
     /// Per priority: the tag of the request served last.
     clock: HashMap<i32, u64>,
     seq: u64,
@@ -223,6 +245,7 @@ impl<T> Queue<T> {
             order: BTreeMap::new(),
             places: HashMap::new(),
             keys: HashMap::new(),
+            tags: HashMap::new(),
             clock: HashMap::new(),
             seq: 0,
             max_len: cfg.max_queue.max(1),
@@ -239,12 +262,18 @@ impl<T> Queue<T> {
         self.order.is_empty()
     }
 
-    /// Whether a request of this priority or higher is held.
-    pub fn holds_at_or_above(&self, priority: i32) -> bool {
+    /// Whether a request of this priority or higher for which `which`
+    /// holds is held.
+    pub fn holds_at_or_above(&self, priority: i32, which: impl Fn(&T) -> bool) -> bool {
         self.order
-            .keys()
-            .next()
-            .is_some_and(|&(p, _, _)| -p >= i64::from(priority))
+            .values()
+            .take_while(|h| h.priority >= priority)
+            .any(|h| which(&h.item))
+    }
+
+    /// The held requests in the order they go.
+    pub fn iter(&self) -> impl Iterator<Item = &Held<T>> {
+        self.order.values()
     }
 
     /// Holds a request. A full queue makes room by displacing the request
@@ -264,11 +293,7 @@ impl<T> Queue<T> {
         if self.places.contains_key(&handle) {
             return Err((Refusal::QueueFull, item));
         }
-        if self
-            .keys
-            .get(&key)
-            .is_some_and(|k| k.held >= self.max_per_key)
-        {
+        if self.keys.get(&key).is_some_and(|&n| n >= self.max_per_key) {
             return Err((Refusal::KeyFull, item));
         }
         let mut displaced = None;
@@ -282,10 +307,11 @@ impl<T> Queue<T> {
             }
         }
         let clock = self.clock.get(&priority).copied().unwrap_or(0);
-        let state = self.keys.entry(key).or_default();
+        let state = self.tags.entry((priority, key)).or_default();
         let tag = clock.max(state.last_tag).saturating_add(1);
         state.last_tag = tag;
         state.held += 1;
+        *self.keys.entry(key).or_insert(0) += 1;
         self.seq += 1;
         let place = (-i64::from(priority), tag, self.seq);
         self.places.insert(handle, place);
@@ -309,7 +335,15 @@ impl<T> Queue<T> {
 
     /// Takes the request that goes next.
     pub fn pop(&mut self) -> Option<Held<T>> {
-        let place = *self.order.keys().next()?;
+        let handle = self.front()?.handle;
+        self.serve(handle)
+    }
+
+    /// Takes a held request out to send it on (not necessarily the first:
+    /// the one before it may wait for another model's replicas); its
+    /// priority's clock moves to its tag.
+    pub fn serve(&mut self, handle: u64) -> Option<Held<T>> {
+        let place = *self.places.get(&handle)?;
         let held = self.take(place)?;
         let clock = self.clock.entry(held.priority).or_insert(0);
         *clock = (*clock).max(place.1);
@@ -336,10 +370,17 @@ impl<T> Queue<T> {
     fn take(&mut self, place: Place) -> Option<Held<T>> {
         let held = self.order.remove(&place)?;
         self.places.remove(&held.handle);
-        if let Some(k) = self.keys.get_mut(&held.key) {
-            k.held = k.held.saturating_sub(1);
-            if k.held == 0 {
+        if let Some(n) = self.keys.get_mut(&held.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
                 self.keys.remove(&held.key);
+            }
+        }
+        let tagged = (held.priority, held.key);
+        if let Some(t) = self.tags.get_mut(&tagged) {
+            t.held = t.held.saturating_sub(1);
+            if t.held == 0 {
+                self.tags.remove(&tagged);
             }
         }
         Some(held)
@@ -384,32 +425,57 @@ mod tests {
     }
 
     #[test]
-    fn arrivals_wait_behind_held_requests_of_their_priority() {
+    fn arrivals_wait_behind_held_requests_of_their_priority_and_model() {
         let c = cfg("");
-        let mut q: Queue<()> = Queue::new(&c);
+        let mut q: Queue<&str> = Queue::new(&c);
         let default = Objective::default();
         let premium = Objective::of(&c, Some("premium"));
         let batch = Objective::of(&c, Some("batch"));
-        assert_eq!(arrive(&c, default, true, &q), Verdict::Admit);
-        assert_eq!(arrive(&c, default, false, &q), Verdict::Hold);
+        let llama = |m: &&str| *m == "llama";
+        assert_eq!(arrive(&c, default, true, &q, llama), Verdict::Admit);
+        assert_eq!(arrive(&c, default, false, &q, llama), Verdict::Hold);
         assert_eq!(
-            arrive(&c, batch, false, &q),
+            arrive(&c, batch, false, &q, llama),
             Verdict::Refuse(Refusal::Saturated)
         );
-        q.push(1, 0, 7, 0, ()).unwrap();
-        // Headroom now, but a request of its priority waits first.
-        assert_eq!(arrive(&c, default, true, &q), Verdict::Hold);
+        q.push(1, 0, 7, 0, "llama").unwrap();
+        // Headroom now, but a request of its priority for its model waits
+        // first.
+        assert_eq!(arrive(&c, default, true, &q, llama), Verdict::Hold);
         assert_eq!(
-            arrive(&c, batch, true, &q),
+            arrive(&c, batch, true, &q, llama),
             Verdict::Refuse(Refusal::Saturated)
         );
-        assert_eq!(arrive(&c, premium, true, &q), Verdict::Admit);
+        assert_eq!(arrive(&c, premium, true, &q, llama), Verdict::Admit);
+        // Another model's held request does not hold it.
+        let qwen = |m: &&str| *m == "qwen";
+        assert_eq!(arrive(&c, default, true, &q, qwen), Verdict::Admit);
+        assert_eq!(arrive(&c, batch, true, &q, qwen), Verdict::Admit);
         // Admission off: everything goes on.
         let off = AdmissionConfig {
             enabled: false,
             ..c.clone()
         };
-        assert_eq!(arrive(&off, batch, false, &q), Verdict::Admit);
+        assert_eq!(arrive(&off, batch, false, &q, llama), Verdict::Admit);
+    }
+
+    #[test]
+    fn a_key_s_tags_are_per_priority() {
+        let c = cfg("");
+        let mut q = Queue::new(&c);
+        // Premium traffic moves the priority-10 clock far ahead.
+        for h in 0..50 {
+            q.push(h, 10, 1000 + h, 0, h).unwrap();
+            q.pop().unwrap();
+        }
+        // Key 7 has a premium request held; its default request must not
+        // inherit the premium tag and go behind every later default one.
+        q.push(100, 10, 7, 0, 100).unwrap();
+        q.push(101, 0, 7, 0, 101).unwrap();
+        q.push(102, 0, 8, 0, 102).unwrap();
+        let order: Vec<u64> = std::iter::from_fn(|| q.pop().map(|h| h.item)).collect();
+        assert_eq!(order, vec![100, 101, 102]);
+        assert!(q.tags.is_empty() && q.keys.is_empty() && q.places.is_empty());
     }
 
     #[test]

@@ -242,7 +242,7 @@ pub mod defaults {
     pub fn max_queued_per_key() -> u32 {
         16
     }
-    /// A held request gets its 503 (429 if sheddable) after this long.
+    /// A held request gets its 503 after this long.
     pub fn max_wait_ms() -> u64 {
         10_000
     }

@@ -529,7 +529,9 @@ impl Router for Kvroute {
         let room = decide::headroom(cfg, &facts, view.as_deref(), &table, now_ms);
         let objective = Objective::of(&cfg.admission, req.objective);
         let key = facts.affinity.key();
-        let verdict = admit::arrive(&cfg.admission, objective, room, &w.held);
+        let verdict = admit::arrive(&cfg.admission, objective, room, &w.held, |(f, _)| {
+            f.model == facts.model
+        });
         let pushed = match verdict {
             Verdict::Admit => Ok(None),
             Verdict::Refuse(why) => Err(why),
