@@ -6,10 +6,11 @@
 #![allow(clippy::indexing_slicing, clippy::unwrap_used)]
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvroute_core::decide::{analyze, pick};
+use kvroute_core::admit::{arrive, Objective, Queue};
+use kvroute_core::decide::{analyze, headroom, pick};
 use kvroute_core::fleet::{FleetView, HostState, Snapshot, SNAPSHOT_VERSION};
 use kvroute_core::load::LoadTable;
-use kvroute_core::Endpoint;
+use kvroute_core::{Config, Endpoint};
 use std::hint::black_box;
 
 mod common;
@@ -103,5 +104,56 @@ fn bench_fleet_pick(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench, bench_snapshot, bench_fleet_pick);
+/// The admission step a router with `admission.enabled` adds before the
+/// pick ([`kvroute_core::admit`]): the objective, `headroom` over the
+/// snapshot and the verdict against a worker queue of 256 held requests
+/// of another model (the verdict then scans all of them: the worst case).
+/// Compare with `decide_fleet` (the pick itself) of the same run.
+fn bench_admission(c: &mut Criterion) {
+    let mut group = c.benchmark_group("admission");
+    let body = chat_body(32 << 10);
+    let json = r#"{"hosts":["10.0.0.1:8000","10.0.0.2:8000"],
+        "admission":{"enabled":true},"objectives":{"premium":{"priority":1}}}"#;
+    let Ok(cfg) = Config::from_json(json.as_bytes()) else {
+        return;
+    };
+    let Ok(facts) = analyze(&cfg, Endpoint::ChatCompletions, None, &body) else {
+        return;
+    };
+    let mut queue: Queue<String> = Queue::new(&cfg.admission);
+    for h in 0..256u64 {
+        let _ = queue.push(h, 0, h, 0, "another-model".to_owned());
+    }
+    for hosts in [16usize, 256, 1024] {
+        let Ok(snap) = Snapshot::from_json(&snapshot_json(hosts)) else {
+            continue;
+        };
+        let view = FleetView::new(snap, 1_764_400_000_000);
+        let table = LoadTable::default();
+        group.bench_function(BenchmarkId::new("32KB", format!("{hosts}hosts")), |b| {
+            b.iter(|| {
+                let o = Objective::of(&cfg.admission, Some(black_box("premium")));
+                let room = headroom(
+                    &cfg,
+                    black_box(&facts),
+                    Some(&view),
+                    &table,
+                    1_764_400_000_100,
+                );
+                arrive(&cfg.admission, o, room, &queue, |m: &String| {
+                    *m == facts.model
+                })
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    bench,
+    bench_snapshot,
+    bench_fleet_pick,
+    bench_admission
+);
 criterion_main!(benches);
