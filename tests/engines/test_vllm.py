@@ -1,0 +1,191 @@
+"""kvroute in front of two real vLLM replicas (the CPU build, the tiny
+model): the collector reads their real metrics pages, conversations stay
+on one replica and hit its prefix cache, KV pressure moves new
+conversations away, and a killed replica is avoided and used again after
+its restart. Behaviour only, no timings.
+
+Each replica has 256 KV blocks of 32 tokens (8192 tokens), so a few long
+requests fill it. The tiny model's text is noise; requests ask for
+`max_tokens` with `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from engines import MODEL_NAME, Vllm
+from harness import send
+
+from helpers import (
+    CHAT, COLLECTOR_ARGS, SCRAPE_MS, body, cached_tokens, engine_counter, engine_gauge, flood, gateway_for,
+    host_of, text, wait_for,
+)
+
+
+@pytest.fixture(scope="module")
+def gateway(request, vllm_fleet, wasm_path, collector_binary):
+    return gateway_for(request, vllm_fleet)
+
+
+def test_the_collector_reads_real_vllm_pages(vllm_fleet, collector_binary):
+    """`kvroute-collector --once` against the live engines: the engine
+    family, readiness, the served model and the KV capacity
+    (`vllm:cache_config_info`: 256 blocks x 32 tokens)."""
+    out = subprocess.run(
+        [str(collector_binary), "--once", "--engines", ",".join(e.address for e in vllm_fleet),
+         "--metrics-addr", "off", *COLLECTOR_ARGS],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    snap = json.loads(out.stdout)
+    hosts = {h["address"]: h for h in snap["hosts"]}
+    assert set(hosts) == {e.address for e in vllm_fleet}, snap
+    for e in vllm_fleet:
+        h = hosts[e.address]
+        assert h["engine"] == "vllm", h
+        assert h["ready"] is True, h
+        assert h["models"] == [MODEL_NAME], h
+        assert h["kvCapacityTokens"] == e.kv_blocks * e.block_size, h
+        assert h["blockSize"] == e.block_size, h
+        assert 0.0 <= h["kvUtilization"] <= 1.0, h
+
+
+def test_a_conversation_stays_on_its_replica_and_hits_its_cache(gateway, vllm_fleet):
+    """Six turns of one session through the gateway: every turn on one
+    replica; from the second turn on, the answers report cached tokens, and
+    only that replica's `vllm:prefix_cache_hits_total` grows."""
+    by_address = {e.address: e for e in vllm_fleet}
+    hits_before = {a: engine_counter(e, "vllm:prefix_cache_hits_total") for a, e in by_address.items()}
+    messages = [{"role": "system", "content": text("system", 300)}]
+    hosts, cached = [], []
+    for turn in range(6):
+        messages.append({"role": "user", "content": text(f"question {turn}", 60)})
+        r = send(gateway.gateway_url, CHAT, json_body=body(messages), session="conv-sticky", timeout=60)
+        assert r.status == 200, r.describe()
+        assert r.reason == "session", r.describe()
+        hosts.append(host_of(r))
+        cached.append(cached_tokens(r))
+        reply = r.body["choices"][0]["message"]["content"]
+        messages.append({"role": "assistant", "content": reply})
+    assert len(set(hosts)) == 1, hosts
+    home = hosts[0]
+    assert cached[0] == 0 or cached[0] < cached[1], cached
+    assert all(c > 0 for c in cached[1:]), cached
+    assert cached == sorted(cached), f"cached tokens grow with the conversation: {cached}"
+    grew = {a: engine_counter(e, "vllm:prefix_cache_hits_total") - hits_before[a] for a, e in by_address.items()}
+    assert grew[home] >= sum(cached[1:]) * 0.9, (grew, cached)
+    others = [a for a in by_address if a != home]
+    assert all(grew[a] == 0 for a in others), grew
+    print(f"\n[vllm] one conversation on {home}: cached tokens per turn {cached}; engine hits grew {grew}")
+
+
+def test_expected_and_cached_tokens_agree_with_vllm(gateway, vllm_fleet):
+    """Learning from answers against a real engine: the gateway's
+    per-replica `kvroute_prefix_expected_tokens_total` (what its prefix
+    index counted on, scaled into the engine's tokens) and
+    `kvroute_prefix_cached_tokens_total` (what vLLM's answers reported):
+    the engine delivered at least what the index counted on, no answer
+    fell short and no entry was dropped. vLLM may deliver more: it also
+    caches the tokens it generated, which the next turn sends back and the
+    gateway's index never saw sent."""
+    m0 = gateway.envoy.kvroute_metrics()
+    messages = [{"role": "system", "content": text("precision", 400)}]
+    for turn in range(5):
+        messages.append({"role": "user", "content": text(f"p{turn}", 40)})
+        r = send(gateway.gateway_url, CHAT, json_body=body(messages), session="conv-precision", timeout=60)
+        assert r.status == 200, r.describe()
+        messages.append({"role": "assistant", "content": r.body["choices"][0]["message"]["content"]})
+    m1 = gateway.envoy.kvroute_metrics()
+
+    def grew(name):
+        return sum(v for k, v in m1.items() if k.startswith(name + "{")) - sum(
+            v for k, v in m0.items() if k.startswith(name + "{"))
+
+    answers = m1.get("kvroute_prefix_answers_total", 0) - m0.get("kvroute_prefix_answers_total", 0)
+    expected = grew("kvroute_prefix_expected_tokens_total")
+    cached = grew("kvroute_prefix_cached_tokens_total")
+    print(f"\n[vllm] answers compared {answers:.0f}: expected {expected:.0f} tokens, vLLM reported {cached:.0f}")
+    assert answers >= 3, (m0, m1)
+    assert expected > 0 and cached > 0, (expected, cached)
+    assert cached >= 0.9 * expected, (expected, cached)
+    shortfalls = m1.get("kvroute_prefix_shortfalls_total", 0) - m0.get("kvroute_prefix_shortfalls_total", 0)
+    assert shortfalls == 0, shortfalls
+    dropped = m1.get("kvroute_prefix_entries_dropped_total", 0) - m0.get("kvroute_prefix_entries_dropped_total", 0)
+    assert dropped == 0, dropped
+
+
+def test_kv_pressure_moves_new_conversations_away(gateway, vllm_fleet):
+    """Flood one replica until the snapshot shows its KV nearly full: new
+    conversations then all start on the other replica, including those
+    whose home it is when the fleet is idle."""
+    a, b = vllm_fleet
+    # Sessions whose home is `a` on the idle fleet.
+    homed_on_a = []
+    for i in range(40):
+        r = send(gateway.gateway_url, CHAT, json_body=body([{"role": "user", "content": text(f"probe {i}", 30)}], 4),
+                 session=f"new-{i}", timeout=60)
+        assert r.status == 200, r.describe()
+        if host_of(r) == a.address:
+            homed_on_a.append(f"new-{i}")
+    assert len(homed_on_a) >= 5, f"only {len(homed_on_a)} of 40 sessions homed on {a.address}"
+    stop = threading.Event()
+    threads = flood(a, stop)
+    try:
+        peak = wait_for(lambda: (kv := engine_gauge(a, "vllm:kv_cache_usage_perc")) >= 0.9 and kv, 120,
+                        f"{a.address} KV past 0.9")
+        time.sleep(2 * SCRAPE_MS / 1000 + 0.5)
+        placed = Counter()
+        for s in homed_on_a[:10]:
+            # A new conversation under the same session key (no history).
+            r = send(gateway.gateway_url, CHAT,
+                     json_body=body([{"role": "user", "content": text(f"fresh {s}", 30)}], 4),
+                     session=s, timeout=60)
+            assert r.status == 200, r.describe()
+            placed[host_of(r)] += 1
+        kv = engine_gauge(a, "vllm:kv_cache_usage_perc")
+        print(f"\n[vllm] {a.address} flooded (KV reached {peak:.2f}, {kv:.2f} at the end): "
+              f"new conversations homed there went to {dict(placed)}")
+        assert placed[a.address] == 0, placed
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=150)
+
+
+def test_a_killed_replica_is_avoided_then_used_again(gateway, vllm_fleet):
+    """SIGKILL one replica's process group: within a few scrape intervals
+    every request goes to the other and succeeds; after a restart on the
+    same port (40-110 s), the collector sees it ready and its sessions
+    return to it."""
+    a, b = vllm_fleet
+    sessions = []
+    for i in range(40):
+        r = send(gateway.gateway_url, CHAT, json_body=body([{"role": "user", "content": text(f"k{i}", 20)}], 4),
+                 session=f"kill-{i}", timeout=60)
+        assert r.status == 200, r.describe()
+        if host_of(r) == a.address:
+            sessions.append(f"kill-{i}")
+    assert sessions, "no session homed on the replica to kill"
+    a.kill()
+    time.sleep(4 * SCRAPE_MS / 1000)
+    served = Counter()
+    for s in sessions[:8]:
+        r = send(gateway.gateway_url, CHAT, json_body=body([{"role": "user", "content": text(f"after {s}", 20)}], 4),
+                 session=s, timeout=60)
+        assert r.status == 200, r.describe()
+        served[host_of(r)] += 1
+    assert served == {b.address: min(8, len(sessions))}, served
+    a.spawn()
+    took = a.wait_healthy()
+    wait_for(
+        lambda: send(gateway.gateway_url, CHAT,
+                     json_body=body([{"role": "user", "content": text(f"back {sessions[0]}", 20)}], 4),
+                     session=sessions[0], timeout=60).decision.get("host") == a.address,
+        30, f"{sessions[0]} back on {a.address}",
+    )
+    print(f"\n[vllm] killed {a.address}: its sessions went to {dict(served)}; restarted healthy after {took:.0f} s and used again")
