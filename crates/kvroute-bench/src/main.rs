@@ -198,7 +198,9 @@ struct SimulateArgs {
     workload: WorkloadArgs,
     #[command(flatten)]
     engine: EngineArgs,
-    /// Routers, comma-separated, in report order (default: all).
+    /// Routers, comma-separated, in report order (default: all). Also
+    /// `kvroute-oracle-shared-load`: kvroute whose gateways share one
+    /// in-flight load table, an upper bound (not in the default list).
     #[arg(long, value_delimiter = ',')]
     routers: Vec<String>,
     /// Simulated engines.

@@ -234,3 +234,33 @@ fn admission_sheds_the_sheddable_and_protects_the_rest_under_overload() {
         "{r:?}"
     );
 }
+
+/// The oracle that shares one load table between gateways is kvroute
+/// itself at one gateway, and at several it sees the other gateways'
+/// dispatches (so it decides otherwise on a loaded fleet).
+#[test]
+fn the_shared_load_oracle_is_kvroute_at_one_gateway() {
+    let name = routers::ORACLE_SHARED_LOAD;
+    let one = options(4, 1);
+    let (k, o) = (
+        run("mix", "kvroute", &one, 30.0),
+        run("mix", name, &one, 30.0),
+    );
+    assert_eq!(o.router, name);
+    assert_eq!(k.ttft_ms, o.ttft_ms, "one gateway: the same decisions");
+    assert_eq!(k.per_engine_requests, o.per_engine_requests);
+    let four = options(4, 4);
+    let (k, o) = (
+        run("mix", "kvroute", &four, 30.0),
+        run("mix", name, &four, 30.0),
+    );
+    assert_eq!(k.requests, o.requests);
+    assert_ne!(
+        k.per_engine_requests, o.per_engine_requests,
+        "four gateways: sharing the load table changes the placement"
+    );
+    assert!(
+        !routers::ALL.contains(&name),
+        "an upper bound, not in the default list"
+    );
+}

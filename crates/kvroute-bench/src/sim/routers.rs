@@ -24,6 +24,7 @@
 //! exactly.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::rc::Rc;
 use std::time::Instant;
 
 use xxhash_rust::xxh64::xxh64;
@@ -32,7 +33,7 @@ use kvroute_core::admit::{self, Objective, Refusal, Verdict};
 use kvroute_core::answers::{self, Expectation};
 use kvroute_core::decide::{self, Facts};
 use kvroute_core::fleet::{HostState, Snapshot, SNAPSHOT_VERSION};
-use kvroute_core::host::{MemorySharedData, Tally};
+use kvroute_core::host::{HostError, MemorySharedData, SetError, SharedData, Tally};
 use kvroute_core::index::IndexCache;
 use kvroute_core::ingest::{self, FleetCache};
 use kvroute_core::load::{self, Charge};
@@ -172,6 +173,15 @@ pub const ALL: &[&str] = &[
     "kvroute",
 ];
 
+/// Not a deployable router, and not in [`ALL`]: kvroute whose K gateways
+/// share one in-flight load table, instantly and exactly (each gateway
+/// sees every gateway's pending prefill and memory held on each replica;
+/// the prefix index, snapshots and caches stay per gateway). An upper
+/// bound on what sharing in-flight load between gateways could give
+/// (docs/fleet-state.md, "Several gateways: what the gap is"). At K = 1 it
+/// is kvroute.
+pub const ORACLE_SHARED_LOAD: &str = "kvroute-oracle-shared-load";
+
 /// The key of a router's report name (`round-robin (modelled)` ->
 /// `round-robin`).
 pub fn canonical(name: &str) -> &str {
@@ -247,10 +257,11 @@ pub fn build(name: &str, s: &Setup) -> Result<Box<dyn Router>, String> {
         "sglang-cache-aware" => Box::new(Sglang::new(engines, k)),
         "llm-d" => Box::new(Llmd::new(engines, k, seed)),
         "dynamo" => Box::new(Dynamo::new(engines, k, seed)),
-        "kvroute" => Box::new(Kvroute::new(s)?),
+        "kvroute" => Box::new(Kvroute::new(s, false)?),
+        ORACLE_SHARED_LOAD => Box::new(Kvroute::new(s, true)?),
         other => {
             return Err(format!(
-                "unknown router {other:?}; known: {}",
+                "unknown router {other:?}; known: {}, and {ORACLE_SHARED_LOAD} (an upper bound, not a router)",
                 ALL.join(", ")
             ))
         }
@@ -285,10 +296,37 @@ impl KvWorker {
 
 /// One gateway instance: its shared data and its workers.
 struct KvGateway {
-    store: MemorySharedData,
+    store: GatewayStore,
     metrics: Tally,
     workers: Vec<KvWorker>,
     next_stream: u32,
+}
+
+/// A gateway's shared data. With `load` set, the in-flight load table
+/// (`cfg.load_key`) is one store for every gateway: the oracle mode of
+/// [`ORACLE_SHARED_LOAD`]; everything else stays per gateway.
+struct GatewayStore {
+    own: MemorySharedData,
+    load: Option<(Rc<MemorySharedData>, String)>,
+}
+
+impl GatewayStore {
+    fn pick(&self, key: &str) -> &MemorySharedData {
+        match &self.load {
+            Some((shared, k)) if k == key => shared,
+            _ => &self.own,
+        }
+    }
+}
+
+impl SharedData for GatewayStore {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), HostError> {
+        self.pick(key).get(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        self.pick(key).set(key, value, cas)
+    }
 }
 
 /// kvroute-core's request path, per gateway, as the filter runs it.
@@ -308,10 +346,14 @@ pub struct Kvroute {
     headers_at_submit: bool,
     /// Admission counts, `<counter>{objective=<name>}`.
     admission: BTreeMap<String, u64>,
+    /// The gateways share one load table ([`ORACLE_SHARED_LOAD`]).
+    oracle: bool,
 }
 
 impl Kvroute {
-    fn new(s: &Setup) -> Result<Self, String> {
+    /// `oracle`: every gateway reads and writes one in-flight load table
+    /// ([`ORACLE_SHARED_LOAD`]).
+    fn new(s: &Setup, oracle: bool) -> Result<Self, String> {
         let (engines, gateways, config) = (s.engines, s.gateways.max(1), &s.kvroute_config);
         let (collector_s, clock_scale) = (s.collector_s, s.gateway_clock_scale);
         let addresses: Vec<String> = (0..engines).map(super::engine_address).collect();
@@ -324,10 +366,14 @@ impl Kvroute {
         json.insert("hosts".to_owned(), serde_json::json!(addresses));
         let bytes = serde_json::to_vec(&json).map_err(|e| e.to_string())?;
         let cfg = Config::from_json(&bytes).map_err(|e| format!("kvroute config: {e}"))?;
+        let shared_load = Rc::new(MemorySharedData::default());
         Ok(Self {
             gateways: (0..gateways)
                 .map(|_| KvGateway {
-                    store: MemorySharedData::default(),
+                    store: GatewayStore {
+                        own: MemorySharedData::default(),
+                        load: oracle.then(|| (Rc::clone(&shared_load), cfg.load_key.clone())),
+                    },
                     metrics: Tally::default(),
                     workers: (0..s.workers.max(1)).map(|_| KvWorker::new(&cfg)).collect(),
                     next_stream: 0,
@@ -348,6 +394,7 @@ impl Kvroute {
             rng: Rng::new(s.seed ^ 0x776b),
             headers_at_submit: s.headers_at_submit,
             admission: BTreeMap::new(),
+            oracle,
             cfg,
         })
     }
@@ -375,7 +422,11 @@ impl Kvroute {
 
 impl Router for Kvroute {
     fn name(&self) -> String {
-        "kvroute".to_owned()
+        if self.oracle {
+            ORACLE_SHARED_LOAD.to_owned()
+        } else {
+            "kvroute".to_owned()
+        }
     }
 
     fn setup(&self) -> String {
