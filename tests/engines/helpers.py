@@ -60,11 +60,12 @@ def engine_gauge(engine: Engine, name: str) -> float:
     return max(vals) if vals else 0.0
 
 
-def flood(engine: Engine, stop: threading.Event, n: int = 6, max_tokens: int = 1400) -> list[threading.Thread]:
+def flood(engine: Engine, stop: threading.Event, n: int = 6, max_tokens: int = 1400,
+          words: int = 300) -> list[threading.Thread]:
     """Keep `n` long-generating requests running on one replica, sent to it
     directly (not through the gateway), until `stop` is set."""
     def one(i: int):
-        msgs = [{"role": "user", "content": text(f"flood {i}", 300)}]
+        msgs = [{"role": "user", "content": text(f"flood {i}", words)}]
         with httpx.Client(timeout=120) as c:
             while not stop.is_set():
                 try:

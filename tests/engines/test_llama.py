@@ -75,7 +75,7 @@ def test_a_conversation_stays_on_its_server_and_hits_its_cache(gateway, llama_fl
 
 
 def test_busy_slots_move_new_conversations_away(gateway, llama_fleet):
-    """Six long requests sent straight to one server (4 slots): 2 are
+    """Eight long requests sent straight to one server (4 slots): 4 are
     deferred, the snapshot's waiting figure, and new conversations whose
     home it is start on the other server."""
     a, b = llama_fleet
@@ -88,7 +88,7 @@ def test_busy_slots_move_new_conversations_away(gateway, llama_fleet):
             homed_on_a.append(f"llama-new-{i}")
     assert len(homed_on_a) >= 5, f"only {len(homed_on_a)} of 40 sessions homed on {a.address}"
     stop = threading.Event()
-    threads = flood(a, stop, n=6, max_tokens=3500)
+    threads = flood(a, stop, n=8, max_tokens=3500)
     try:
         wait_for(lambda: engine_gauge(a, "llamacpp:requests_deferred") >= 1, 60, f"{a.address} deferring requests")
         time.sleep(2 * SCRAPE_MS / 1000 + 0.5)

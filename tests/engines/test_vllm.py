@@ -120,9 +120,9 @@ def test_expected_and_cached_tokens_agree_with_vllm(gateway, vllm_fleet):
 
 
 def test_kv_pressure_moves_new_conversations_away(gateway, vllm_fleet):
-    """Flood one replica until the snapshot shows its KV nearly full: new
-    conversations then all start on the other replica, including those
-    whose home it is when the fleet is idle."""
+    """Flood one replica (sent to it directly) until its KV is nearly full
+    and requests wait for memory: new conversations then all start on the
+    other replica, including those whose home it is on the idle fleet."""
     a, b = vllm_fleet
     # Sessions whose home is `a` on the idle fleet.
     homed_on_a = []
@@ -134,10 +134,15 @@ def test_kv_pressure_moves_new_conversations_away(gateway, vllm_fleet):
             homed_on_a.append(f"new-{i}")
     assert len(homed_on_a) >= 5, f"only {len(homed_on_a)} of 40 sessions homed on {a.address}"
     stop = threading.Event()
-    threads = flood(a, stop)
+    # Ten requests of about 2k prompt tokens, each growing to 3.5k: more
+    # than the 8192-token cache holds at every moment, so KV stays near
+    # full and requests wait for memory (`vllm:num_requests_waiting`) for
+    # as long as the flood lasts, not only when the batch peaks.
+    threads = flood(a, stop, n=10, max_tokens=1500, words=1500)
     try:
         peak = wait_for(lambda: (kv := engine_gauge(a, "vllm:kv_cache_usage_perc")) >= 0.9 and kv, 120,
                         f"{a.address} KV past 0.9")
+        wait_for(lambda: engine_gauge(a, "vllm:num_requests_waiting") >= 1, 60, f"{a.address} requests waiting")
         time.sleep(2 * SCRAPE_MS / 1000 + 0.5)
         placed = Counter()
         for s in homed_on_a[:10]:
@@ -148,7 +153,8 @@ def test_kv_pressure_moves_new_conversations_away(gateway, vllm_fleet):
             assert r.status == 200, r.describe()
             placed[host_of(r)] += 1
         kv = engine_gauge(a, "vllm:kv_cache_usage_perc")
-        print(f"\n[vllm] {a.address} flooded (KV reached {peak:.2f}, {kv:.2f} at the end): "
+        waiting = engine_gauge(a, "vllm:num_requests_waiting")
+        print(f"\n[vllm] {a.address} flooded (KV reached {peak:.2f}; {kv:.2f} and {waiting:.0f} waiting at the end): "
               f"new conversations homed there went to {dict(placed)}")
         assert placed[a.address] == 0, placed
     finally:
