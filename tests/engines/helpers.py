@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import threading
 import time
+from collections import Counter
 
 import httpx
 
 import harness
 from engines import MODEL_NAME, Engine
-from harness import parse_prometheus
+from harness import parse_prometheus, send
 
 CHAT = "/v1/chat/completions"
 # Scrape often; a CPU engine's /metrics can take longer than the default
@@ -91,3 +94,39 @@ def gateway_for(request, engines) -> harness.Stack:
         30, "a snapshot of every replica at the gateway",
     )
     return stack
+
+
+def collector_once(binary, engines) -> dict[str, dict]:
+    """`kvroute-collector --once` against `engines`: the snapshot's hosts
+    by address (checked to be exactly the engines)."""
+    out = subprocess.run(
+        [str(binary), "--once", "--engines", ",".join(e.address for e in engines),
+         "--metrics-addr", "off", *COLLECTOR_ARGS],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    snap = json.loads(out.stdout)
+    hosts = {h["address"]: h for h in snap["hosts"]}
+    assert set(hosts) == {e.address for e in engines}, snap
+    return hosts
+
+
+def ask(gateway: harness.Stack, session: str, label: str, words: int = 20, max_tokens: int = 4):
+    """One new conversation's first turn through the gateway; HTTP 200."""
+    r = send(gateway.gateway_url, CHAT, json_body=body([{"role": "user", "content": text(label, words)}], max_tokens),
+             session=session, timeout=60)
+    assert r.status == 200, r.describe()
+    return r
+
+
+def homed_on(gateway: harness.Stack, engine: Engine, prefix: str, probes: int = 40, least: int = 1) -> list[str]:
+    """Sessions (`prefix-0` ...) whose first turn the gateway sends to
+    `engine` while the fleet is idle: their home. At least `least`."""
+    home = [f"{prefix}-{i}" for i in range(probes)
+            if host_of(ask(gateway, f"{prefix}-{i}", f"probe {prefix} {i}")) == engine.address]
+    assert len(home) >= least, f"only {len(home)} of {probes} sessions homed on {engine.address}"
+    return home
+
+
+def placement(gateway: harness.Stack, sessions: list[str], label: str) -> Counter:
+    """Where a new conversation of each session starts: decided host counts."""
+    return Counter(host_of(ask(gateway, s, f"{label} {s}")) for s in sessions)

@@ -11,19 +11,16 @@ src/engines.rs says what stands in for them).
 
 from __future__ import annotations
 
-import json
-import subprocess
 import threading
 import time
-from collections import Counter
 
 import pytest
 
 from engines import LlamaServer
 from harness import send
 from helpers import (
-    CHAT, COLLECTOR_ARGS, SCRAPE_MS, body, cached_tokens, engine_counter, engine_gauge, flood, gateway_for,
-    host_of, text, wait_for,
+    CHAT, SCRAPE_MS, body, cached_tokens, collector_once, engine_counter, engine_gauge, flood, gateway_for,
+    homed_on, host_of, placement, text, wait_for,
 )
 
 
@@ -33,14 +30,7 @@ def gateway(request, llama_fleet, wasm_path, collector_binary):
 
 
 def test_the_collector_reads_real_llama_pages(llama_fleet, collector_binary):
-    out = subprocess.run(
-        [str(collector_binary), "--once", "--engines", ",".join(e.address for e in llama_fleet),
-         "--metrics-addr", "off", *COLLECTOR_ARGS],
-        capture_output=True, text=True, timeout=60, check=True,
-    )
-    snap = json.loads(out.stdout)
-    hosts = {h["address"]: h for h in snap["hosts"]}
-    assert set(hosts) == {e.address for e in llama_fleet}, snap
+    hosts = collector_once(collector_binary, llama_fleet)
     for e in llama_fleet:
         h = hosts[e.address]
         assert h["engine"] == "llamacpp", h
@@ -79,26 +69,13 @@ def test_busy_slots_move_new_conversations_away(gateway, llama_fleet):
     deferred, the snapshot's waiting figure, and new conversations whose
     home it is start on the other server."""
     a, b = llama_fleet
-    homed_on_a = []
-    for i in range(40):
-        r = send(gateway.gateway_url, CHAT, json_body=body([{"role": "user", "content": text(f"lp {i}", 30)}], 4),
-                 session=f"llama-new-{i}", timeout=60)
-        assert r.status == 200, r.describe()
-        if host_of(r) == a.address:
-            homed_on_a.append(f"llama-new-{i}")
-    assert len(homed_on_a) >= 5, f"only {len(homed_on_a)} of 40 sessions homed on {a.address}"
+    homed_on_a = homed_on(gateway, a, "llama-new", least=5)
     stop = threading.Event()
     threads = flood(a, stop, n=8, max_tokens=3500)
     try:
         wait_for(lambda: engine_gauge(a, "llamacpp:requests_deferred") >= 1, 60, f"{a.address} deferring requests")
         time.sleep(2 * SCRAPE_MS / 1000 + 0.5)
-        placed = Counter()
-        for s in homed_on_a[:10]:
-            r = send(gateway.gateway_url, CHAT,
-                     json_body=body([{"role": "user", "content": text(f"fresh {s}", 30)}], 4),
-                     session=s, timeout=60)
-            assert r.status == 200, r.describe()
-            placed[host_of(r)] += 1
+        placed = placement(gateway, homed_on_a[:10], "fresh")
         deferred = engine_gauge(a, "llamacpp:requests_deferred")
         print(f"\n[llama] {a.address} busy ({deferred:.0f} deferred): new conversations homed there went to {dict(placed)}")
         assert placed[a.address] == 0, placed

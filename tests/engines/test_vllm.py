@@ -11,11 +11,8 @@ requests fill it. The tiny model's text is noise; requests ask for
 
 from __future__ import annotations
 
-import json
-import subprocess
 import threading
 import time
-from collections import Counter
 
 import pytest
 
@@ -23,8 +20,8 @@ from engines import MODEL_NAME, Vllm
 from harness import send
 
 from helpers import (
-    CHAT, COLLECTOR_ARGS, SCRAPE_MS, body, cached_tokens, engine_counter, engine_gauge, flood, gateway_for,
-    host_of, text, wait_for,
+    CHAT, SCRAPE_MS, ask, body, cached_tokens, collector_once, engine_counter, engine_gauge, flood, gateway_for,
+    homed_on, host_of, placement, text, wait_for,
 )
 
 
@@ -37,14 +34,7 @@ def test_the_collector_reads_real_vllm_pages(vllm_fleet, collector_binary):
     """`kvroute-collector --once` against the live engines: the engine
     family, readiness, the served model and the KV capacity
     (`vllm:cache_config_info`: 256 blocks x 32 tokens)."""
-    out = subprocess.run(
-        [str(collector_binary), "--once", "--engines", ",".join(e.address for e in vllm_fleet),
-         "--metrics-addr", "off", *COLLECTOR_ARGS],
-        capture_output=True, text=True, timeout=60, check=True,
-    )
-    snap = json.loads(out.stdout)
-    hosts = {h["address"]: h for h in snap["hosts"]}
-    assert set(hosts) == {e.address for e in vllm_fleet}, snap
+    hosts = collector_once(collector_binary, vllm_fleet)
     for e in vllm_fleet:
         h = hosts[e.address]
         assert h["engine"] == "vllm", h
@@ -124,15 +114,7 @@ def test_kv_pressure_moves_new_conversations_away(gateway, vllm_fleet):
     and requests wait for memory: new conversations then all start on the
     other replica, including those whose home it is on the idle fleet."""
     a, b = vllm_fleet
-    # Sessions whose home is `a` on the idle fleet.
-    homed_on_a = []
-    for i in range(40):
-        r = send(gateway.gateway_url, CHAT, json_body=body([{"role": "user", "content": text(f"probe {i}", 30)}], 4),
-                 session=f"new-{i}", timeout=60)
-        assert r.status == 200, r.describe()
-        if host_of(r) == a.address:
-            homed_on_a.append(f"new-{i}")
-    assert len(homed_on_a) >= 5, f"only {len(homed_on_a)} of 40 sessions homed on {a.address}"
+    homed_on_a = homed_on(gateway, a, "new", least=5)
     stop = threading.Event()
     # Ten requests of about 2k prompt tokens, each growing to 3.5k: more
     # than the 8192-token cache holds at every moment, so KV stays near
@@ -144,14 +126,7 @@ def test_kv_pressure_moves_new_conversations_away(gateway, vllm_fleet):
                         f"{a.address} KV past 0.9")
         wait_for(lambda: engine_gauge(a, "vllm:num_requests_waiting") >= 1, 60, f"{a.address} requests waiting")
         time.sleep(2 * SCRAPE_MS / 1000 + 0.5)
-        placed = Counter()
-        for s in homed_on_a[:10]:
-            # A new conversation under the same session key (no history).
-            r = send(gateway.gateway_url, CHAT,
-                     json_body=body([{"role": "user", "content": text(f"fresh {s}", 30)}], 4),
-                     session=s, timeout=60)
-            assert r.status == 200, r.describe()
-            placed[host_of(r)] += 1
+        placed = placement(gateway, homed_on_a[:10], "fresh")
         kv = engine_gauge(a, "vllm:kv_cache_usage_perc")
         waiting = engine_gauge(a, "vllm:num_requests_waiting")
         print(f"\n[vllm] {a.address} flooded (KV reached {peak:.2f}; {kv:.2f} and {waiting:.0f} waiting at the end): "
@@ -169,29 +144,13 @@ def test_a_killed_replica_is_avoided_then_used_again(gateway, vllm_fleet):
     same port (40-110 s), the collector sees it ready and its sessions
     return to it."""
     a, b = vllm_fleet
-    sessions = []
-    for i in range(40):
-        r = send(gateway.gateway_url, CHAT, json_body=body([{"role": "user", "content": text(f"k{i}", 20)}], 4),
-                 session=f"kill-{i}", timeout=60)
-        assert r.status == 200, r.describe()
-        if host_of(r) == a.address:
-            sessions.append(f"kill-{i}")
-    assert sessions, "no session homed on the replica to kill"
+    sessions = homed_on(gateway, a, "kill")
     a.kill()
     time.sleep(4 * SCRAPE_MS / 1000)
-    served = Counter()
-    for s in sessions[:8]:
-        r = send(gateway.gateway_url, CHAT, json_body=body([{"role": "user", "content": text(f"after {s}", 20)}], 4),
-                 session=s, timeout=60)
-        assert r.status == 200, r.describe()
-        served[host_of(r)] += 1
+    served = placement(gateway, sessions[:8], "after")
     assert served == {b.address: min(8, len(sessions))}, served
     a.spawn()
     took = a.wait_healthy()
-    wait_for(
-        lambda: send(gateway.gateway_url, CHAT,
-                     json_body=body([{"role": "user", "content": text(f"back {sessions[0]}", 20)}], 4),
-                     session=sessions[0], timeout=60).decision.get("host") == a.address,
-        30, f"{sessions[0]} back on {a.address}",
-    )
+    wait_for(lambda: host_of(ask(gateway, sessions[0], f"back {sessions[0]}")) == a.address,
+             30, f"{sessions[0]} back on {a.address}")
     print(f"\n[vllm] killed {a.address}: its sessions went to {dict(served)}; restarted healthy after {took:.0f} s and used again")
