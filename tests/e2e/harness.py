@@ -144,6 +144,19 @@ def require_free_ports(ports: Iterable[int]) -> None:
         )
 
 
+def wait_for(predicate, timeout: float, what: str, every: float = 0.05):
+    """Polls `predicate` every `every` s until it returns something truthy,
+    and returns that; AssertionError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s (last: {value!r})")
+        time.sleep(every)
+
+
 def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

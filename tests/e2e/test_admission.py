@@ -24,7 +24,7 @@ import pytest
 
 import harness
 from conftest import start_module_stack
-from harness import chat_body, send
+from harness import chat_body, send, wait_for
 
 CHAT = "/v1/chat/completions"
 TOKEN = "e2e-admission-token-0123456789abcdef"
@@ -83,17 +83,6 @@ def held(stack: harness.Stack) -> float:
 
 def counter(stack: harness.Stack, name: str, objective: str) -> float:
     return stack.envoy.kvroute_metrics().get(f'kvroute_admission_{name}_total{{objective="{objective}"}}', 0.0)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.05)
 
 
 def served(r: harness.Reply, stack: harness.Stack) -> None:

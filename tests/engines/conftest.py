@@ -84,23 +84,24 @@ def _start_all(engines):
     return engines
 
 
-@pytest.fixture(scope="module")
-def vllm_fleet(vllm_python, tiny_model):
-    """Two vLLM replicas, started together (each takes 40-110 s)."""
-    ports = harness.free_ports(2)
-    engines = _start_all([Vllm(p, vllm_python, tiny_model) for p in ports])
+def _fleet(make):
+    """Two engines made by `make(port)`, started together; stopped and
+    their folders removed when the module ends."""
+    engines = _start_all([make(p) for p in harness.free_ports(2)])
     yield engines
     for e in engines:
         e.cleanup()
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(vllm_python, tiny_model):
+    """Two vLLM replicas, started together (each takes 40-110 s)."""
+    yield from _fleet(lambda port: Vllm(port, vllm_python, tiny_model))
 
 
 @pytest.fixture(scope="module")
 def llama_fleet(llama_server, tiny_gguf):
-    ports = harness.free_ports(2)
-    engines = _start_all([LlamaServer(p, llama_server, tiny_gguf) for p in ports])
-    yield engines
-    for e in engines:
-        e.cleanup()
+    yield from _fleet(lambda port: LlamaServer(port, llama_server, tiny_gguf))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import httpx
 
 import harness
 from engines import MODEL_NAME, Engine
-from harness import parse_prometheus, send
+from harness import parse_prometheus, send, wait_for
 
 CHAT = "/v1/chat/completions"
 # Scrape often; a CPU engine's /metrics can take longer than the default
@@ -44,17 +44,6 @@ def cached_tokens(reply) -> int:
 def engine_counter(engine: Engine, name: str) -> float:
     m = parse_prometheus(engine.metrics_text())
     return sum(v for k, v in m.items() if k.split("{")[0] == name)
-
-
-def wait_for(cond, timeout: float, what: str, every: float = 0.25):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = cond()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r})")
 
 
 def engine_gauge(engine: Engine, name: str) -> float:
@@ -130,3 +119,20 @@ def homed_on(gateway: harness.Stack, engine: Engine, prefix: str, probes: int = 
 def placement(gateway: harness.Stack, sessions: list[str], label: str) -> Counter:
     """Where a new conversation of each session starts: decided host counts."""
     return Counter(host_of(ask(gateway, s, f"{label} {s}")) for s in sessions)
+
+
+def converse(gateway: harness.Stack, session: str, label: str, turns: int, system_words: int = 300):
+    """A conversation of `turns` turns through the gateway under one session
+    key, each answer appended to the history: (decided host, cached tokens)
+    per turn. Every turn is HTTP 200 with reason `session`."""
+    messages = [{"role": "system", "content": text(f"{label} system", system_words)}]
+    hosts, cached = [], []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": text(f"{label} q{turn}", 60)})
+        r = send(gateway.gateway_url, CHAT, json_body=body(messages), session=session, timeout=60)
+        assert r.status == 200, r.describe()
+        assert r.reason == "session", r.describe()
+        hosts.append(host_of(r))
+        cached.append(cached_tokens(r))
+        messages.append({"role": "assistant", "content": r.body["choices"][0]["message"]["content"]})
+    return hosts, cached

@@ -16,11 +16,9 @@ import time
 
 import pytest
 
-from engines import LlamaServer
-from harness import send
 from helpers import (
-    CHAT, SCRAPE_MS, body, cached_tokens, collector_once, engine_counter, engine_gauge, flood, gateway_for,
-    homed_on, host_of, placement, text, wait_for,
+    SCRAPE_MS, collector_once, converse, engine_counter, engine_gauge, flood, gateway_for, homed_on, placement,
+    wait_for,
 )
 
 
@@ -44,16 +42,7 @@ def test_the_collector_reads_real_llama_pages(llama_fleet, collector_binary):
 def test_a_conversation_stays_on_its_server_and_hits_its_cache(gateway, llama_fleet):
     by_address = {e.address: e for e in llama_fleet}
     before = {a: engine_counter(e, "llamacpp:prompt_tokens_cached_total") for a, e in by_address.items()}
-    messages = [{"role": "system", "content": text("llama system", 300)}]
-    hosts, cached = [], []
-    for turn in range(5):
-        messages.append({"role": "user", "content": text(f"llama q{turn}", 60)})
-        r = send(gateway.gateway_url, CHAT, json_body=body(messages), session="llama-conv", timeout=60)
-        assert r.status == 200, r.describe()
-        assert r.reason == "session", r.describe()
-        hosts.append(host_of(r))
-        cached.append(cached_tokens(r))
-        messages.append({"role": "assistant", "content": r.body["choices"][0]["message"]["content"]})
+    hosts, cached = converse(gateway, "llama-conv", "llama", 5)
     assert len(set(hosts)) == 1, hosts
     home = hosts[0]
     assert all(c > 0 for c in cached[1:]), cached

@@ -16,12 +16,11 @@ import time
 
 import pytest
 
-from engines import MODEL_NAME, Vllm
-from harness import send
+from engines import MODEL_NAME
 
 from helpers import (
-    CHAT, SCRAPE_MS, ask, body, cached_tokens, collector_once, engine_counter, engine_gauge, flood, gateway_for,
-    homed_on, host_of, placement, text, wait_for,
+    SCRAPE_MS, ask, collector_once, converse, engine_counter, engine_gauge, flood, gateway_for, homed_on, host_of,
+    placement, wait_for,
 )
 
 
@@ -51,17 +50,7 @@ def test_a_conversation_stays_on_its_replica_and_hits_its_cache(gateway, vllm_fl
     only that replica's `vllm:prefix_cache_hits_total` grows."""
     by_address = {e.address: e for e in vllm_fleet}
     hits_before = {a: engine_counter(e, "vllm:prefix_cache_hits_total") for a, e in by_address.items()}
-    messages = [{"role": "system", "content": text("system", 300)}]
-    hosts, cached = [], []
-    for turn in range(6):
-        messages.append({"role": "user", "content": text(f"question {turn}", 60)})
-        r = send(gateway.gateway_url, CHAT, json_body=body(messages), session="conv-sticky", timeout=60)
-        assert r.status == 200, r.describe()
-        assert r.reason == "session", r.describe()
-        hosts.append(host_of(r))
-        cached.append(cached_tokens(r))
-        reply = r.body["choices"][0]["message"]["content"]
-        messages.append({"role": "assistant", "content": reply})
+    hosts, cached = converse(gateway, "conv-sticky", "vllm", 6)
     assert len(set(hosts)) == 1, hosts
     home = hosts[0]
     assert cached[0] == 0 or cached[0] < cached[1], cached
@@ -84,12 +73,7 @@ def test_expected_and_cached_tokens_agree_with_vllm(gateway, vllm_fleet):
     caches the tokens it generated, which the next turn sends back and the
     gateway's index never saw sent."""
     m0 = gateway.envoy.kvroute_metrics()
-    messages = [{"role": "system", "content": text("precision", 400)}]
-    for turn in range(5):
-        messages.append({"role": "user", "content": text(f"p{turn}", 40)})
-        r = send(gateway.gateway_url, CHAT, json_body=body(messages), session="conv-precision", timeout=60)
-        assert r.status == 200, r.describe()
-        messages.append({"role": "assistant", "content": r.body["choices"][0]["message"]["content"]})
+    converse(gateway, "conv-precision", "precision", 5, system_words=400)
     m1 = gateway.envoy.kvroute_metrics()
 
     def grew(name):

@@ -346,8 +346,6 @@ pub struct Kvroute {
     headers_at_submit: bool,
     /// Admission counts, `<counter>{objective=<name>}`.
     admission: BTreeMap<String, u64>,
-    /// The gateways share one load table ([`ORACLE_SHARED_LOAD`]).
-    oracle: bool,
 }
 
 impl Kvroute {
@@ -394,7 +392,6 @@ impl Kvroute {
             rng: Rng::new(s.seed ^ 0x776b),
             headers_at_submit: s.headers_at_submit,
             admission: BTreeMap::new(),
-            oracle,
             cfg,
         })
     }
@@ -420,9 +417,16 @@ impl Kvroute {
     }
 }
 
+impl Kvroute {
+    /// The gateways share one load table ([`ORACLE_SHARED_LOAD`]).
+    fn shares_load(&self) -> bool {
+        self.gateways.iter().any(|g| g.store.load.is_some())
+    }
+}
+
 impl Router for Kvroute {
     fn name(&self) -> String {
-        if self.oracle {
+        if self.shares_load() {
             ORACLE_SHARED_LOAD.to_owned()
         } else {
             "kvroute".to_owned()
