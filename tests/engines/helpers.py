@@ -16,8 +16,13 @@ from harness import parse_prometheus, send, wait_for
 
 CHAT = "/v1/chat/completions"
 # Scrape often; a CPU engine's /metrics can take longer than the default
-# 200 ms per phase while it computes.
-COLLECTOR_ARGS = ["--timeout", "2s"]
+# 200 ms per phase while it computes (a flooded vLLM CPU replica on 2
+# shared cores), so the collector waits up to 5 s and the gateway keeps a
+# replica's data for 15 s before judging it stale: with the defaults a
+# flooded replica's data went stale and, judged on the gateway's own
+# figures, it took new conversations (a fresh-clone CI run).
+COLLECTOR_ARGS = ["--timeout", "5s"]
+PLUGIN_OVERRIDES = {"fleet": {"staleAfterMs": 15_000}}
 SCRAPE_MS = 250
 WORDS = "the contion proment ver able ness ing tion per com ter ment".split()
 
@@ -75,7 +80,9 @@ def gateway_for(request, engines) -> harness.Stack:
     """Envoy + kvroute in front of `engines`, with a collector scraping
     them every SCRAPE_MS; returns once the gateway holds a snapshot of
     them all. Stopped when the module ends."""
-    stack = harness.Stack(external_replicas=[e.port for e in engines], concurrency=1).start()
+    stack = harness.Stack(
+        external_replicas=[e.port for e in engines], concurrency=1, plugin_overrides=PLUGIN_OVERRIDES,
+    ).start()
     request.addfinalizer(stack.stop)
     stack.start_collector(interval_ms=SCRAPE_MS, extra_args=COLLECTOR_ARGS)
     wait_for(
