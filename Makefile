@@ -48,7 +48,7 @@ targets:
 # The virtualenv is rebuilt when the pinned requirements change.
 $(VENV)/.installed: tests/requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --retries 10 --timeout 60 -r tests/requirements.txt
 	@touch $@
 
 venv: $(VENV)/.installed
@@ -214,7 +214,7 @@ PEERS        := .venv-peers
 # virtualenv, from pinned requirements (both install side by side).
 $(PEERS)/.installed: bench/requirements-peers.txt
 	@test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
-	$(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check -r bench/requirements-peers.txt
+	$(PEERS)/bin/python -m pip install --quiet --disable-pip-version-check --retries 10 --timeout 60 -r bench/requirements-peers.txt
 	@touch $@
 
 bench-tools: venv $(PEERS)/.installed

