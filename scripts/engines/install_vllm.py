@@ -21,7 +21,9 @@ The downloads (about 3 GB) go over the network CI shares, and one read
 that broke off mid-wheel once failed a whole run. So the venv's pip is
 first upgraded to a pinned release that resumes broken downloads
 (`--resume-retries`, pip 25.1 and later), and every pip step is tried up
-to three times (pip skips what an earlier attempt installed).
+to three times (pip skips what an earlier attempt installed). pip's cache
+is off: it would keep another 3 GB of wheels that are installed once, and
+a full disk is the other way this install has failed.
 
 A marker file records the version; a second run with the same pin does
 nothing. Usage: python scripts/engines/install_vllm.py [--resolve] VENV VERSION
@@ -30,6 +32,7 @@ nothing. Usage: python scripts/engines/install_vllm.py [--resolve] VENV VERSION
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,9 +45,12 @@ from pathlib import Path
 PIP_VERSION = "26.0.1"
 # Per pip call: connection retries, the socket timeout (s), resumes of a
 # download that broke off.
-PIP_NET = ["--retries", "10", "--timeout", "60"]
+PIP_NET = ["--retries", "10", "--timeout", "60", "--no-cache-dir"]
 PIP_RESUME = ["--resume-retries", "10"]
 ATTEMPTS = 3
+# The venv ends near 6.3 GB; pip's downloads and unpacking need room beside
+# it (without its cache, which would keep another 3 GB of wheels).
+NEEDS_GB = 9
 
 
 def run(cmd: list[str]) -> None:
@@ -108,6 +114,9 @@ def main() -> int:
     if not resolve and marker.exists() and marker.read_text().strip() == version:
         return 0
     started = time.monotonic()
+    free_gb = shutil.disk_usage(venv.resolve().parent).free / 1e9
+    if free_gb < NEEDS_GB:
+        print(f"warning: {free_gb:.1f} GB free beside {venv}; the install needs about {NEEDS_GB} GB", flush=True)
     py = venv / "bin" / "python"
     if not py.exists():
         run([sys.executable, "-m", "venv", str(venv)])
