@@ -235,12 +235,18 @@ fn admission_sheds_the_sheddable_and_protects_the_rest_under_overload() {
     );
 }
 
-/// The oracle that shares one load table between gateways is kvroute
-/// itself at one gateway, and at several it sees the other gateways'
-/// dispatches (so it decides otherwise on a loaded fleet).
+/// The oracle that shares one load table between gateways, and kvroute
+/// fed the other gateways' pending prefill by its collector, are kvroute
+/// itself at one gateway; at several they see the other gateways'
+/// dispatches (so they decide otherwise on a loaded fleet).
 #[test]
 fn the_shared_load_oracle_is_kvroute_at_one_gateway() {
-    let name = routers::ORACLE_SHARED_LOAD;
+    for name in [routers::ORACLE_SHARED_LOAD, routers::PEER_PENDING] {
+        gateways_share_load(name);
+    }
+}
+
+fn gateways_share_load(name: &str) {
     let one = options(4, 1);
     let (k, o) = (
         run("mix", "kvroute", &one, 30.0),
@@ -257,10 +263,7 @@ fn the_shared_load_oracle_is_kvroute_at_one_gateway() {
     assert_eq!(k.requests, o.requests);
     assert_ne!(
         k.per_engine_requests, o.per_engine_requests,
-        "four gateways: sharing the load table changes the placement"
+        "four gateways: {name} changes the placement"
     );
-    assert!(
-        !routers::ALL.contains(&name),
-        "an upper bound, not in the default list"
-    );
+    assert!(!routers::ALL.contains(&name), "not in the default list");
 }

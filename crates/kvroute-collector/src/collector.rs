@@ -129,6 +129,7 @@ impl EngineState {
             // invariant (scraped <= taken) holds regardless.
             scraped_at_ms: self.scraped_at_ms.min(taken_ms),
             engine: m.and_then(|m| m.engine).map(|k| k.as_str().to_owned()),
+            peer_pending_tokens: None,
         }
     }
 }

@@ -50,6 +50,7 @@ fn snapshot_json(hosts: usize) -> Vec<u8> {
             block_size: Some(16),
             scraped_at_ms: 1_764_400_000_000 - (i % 250) as u64,
             engine: Some("vllm".into()),
+            peer_pending_tokens: None,
         })
         .collect();
     Snapshot {

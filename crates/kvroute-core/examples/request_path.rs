@@ -63,6 +63,7 @@ fn main() {
             block_size: Some(16),
             scraped_at_ms: now,
             engine: Some("vllm".into()),
+            peer_pending_tokens: None,
         })
         .collect();
     let addresses: Vec<String> = hosts.iter().map(|h| format!("\"{}\"", h.address)).collect();

@@ -58,7 +58,10 @@
 //! ([`crate::score`]). Only the list differs:
 //!
 //! - with a fleet snapshot, the snapshot's replicas that may take the
-//!   request (ready, serving its model), with their engine data;
+//!   request (ready, serving its model), with their engine data; where the
+//!   snapshot gives the other gateways' pending prefill on a replica
+//!   (`peerPendingTokens`), it adds to this gateway's, less what the
+//!   replica has prefilled at `prefillTokensPerS` since it was read;
 //! - without one (foundation mode), the configured hosts, none with engine
 //!   data: each is judged on the gateway's own figures, exactly as a
 //!   snapshot replica whose data is stale (pending = the gateway's pending
@@ -524,7 +527,13 @@ fn observed(
         }
         let gw = table.entry(id.id);
         let waiting = u64::from(st.waiting).saturating_mul(f.waiting_request_tokens);
-        let pending = waiting.max(gw.prefill);
+        // The other gateways' pending prefill here, as the collector read
+        // it, less what the replica has prefilled since at its rate.
+        let drained = (host.age_ms(view_age) as f64 * f.prefill_tokens_per_s / 1000.0) as u64;
+        let peer = st
+            .peer_pending_tokens
+            .map_or(0, |p| p.saturating_sub(drained));
+        let pending = waiting.max(gw.prefill.saturating_add(peer));
         // The engine's KV in use, plus what waits to be admitted (not in
         // its KV yet).
         let engine_memory = st.kv_capacity_tokens.map(|c| {
@@ -962,6 +971,7 @@ fn idle_host(addr: &str, ready: bool, scraped_at_ms: u64) -> crate::fleet::HostS
         block_size: None,
         scraped_at_ms,
         engine: None,
+        peer_pending_tokens: None,
     }
 }
 
@@ -1376,6 +1386,7 @@ mod tests {
                         block_size: Some(16),
                         scraped_at_ms: 1000 - age_ms,
                         engine: None,
+                        peer_pending_tokens: None,
                     },
                 )
                 .collect(),
@@ -1688,6 +1699,38 @@ mod tests {
             home,
             "whole weight: stays"
         );
+    }
+
+    /// The prefill other gateways have pending on a replica (the
+    /// snapshot's `peerPendingTokens`) is work ahead of the request, as if
+    /// this gateway had sent it, and counts for as long as it would take
+    /// to drain at `prefillTokensPerS` from when the collector read it.
+    #[test]
+    fn other_gateways_pending_prefill_counts_until_it_drains() {
+        let doc = "shared document ".repeat(600); // about 2400 tokens
+        let f = facts(
+            &chat(json!([{"role":"user","content":doc}]), json!({})),
+            None,
+        );
+        let (home, other) = home_of_two(&f);
+        let with_peers = |peer: Option<u64>| {
+            let mut v = view(&[(&home, true, 0.3, 0, &[]), (other, true, 0.3, 0, &[])], 0);
+            if let Some(h) = v.hosts.iter_mut().find(|h| h.state.address == home) {
+                h.state.peer_pending_tokens = peer;
+            }
+            v
+        };
+        let c = cfg();
+        let at = |v: &FleetView, now: u64| fleet_pick_with(&c, v, &f, now).targets[0].clone();
+        // 20k tokens (about 0.67 s at 30k tokens/s) ahead at the home, read
+        // just now: the prefill elsewhere is cheaper, it moves.
+        assert_eq!(at(&with_peers(Some(20_000)), 5000), other);
+        // The same figure read a second ago has drained: it stays.
+        assert_eq!(at(&with_peers(Some(20_000)), 6000), home);
+        // Without the figure (one gateway, or a collector that does not
+        // read its peers) it stays as well.
+        assert_eq!(at(&with_peers(None), 5000), home);
+        assert_eq!(at(&with_peers(Some(0)), 5000), home);
     }
 
     /// A replica without headroom by the snapshot takes no new

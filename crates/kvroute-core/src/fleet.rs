@@ -15,6 +15,11 @@
 //!             "scrapedAtMs": 1764399999900, "engine": "vllm"}]}
 //! ```
 //!
+//! A host may also carry `peerPendingTokens`: the prefill the other
+//! gateways had sent it without a first byte yet, as a collector that reads
+//! their load tables saw it (the filter drains it at `prefillTokensPerS`
+//! from then; `decide.rs`). Absent, it is unknown.
+//!
 //! `seq` increases monotonically per collector; the ingest endpoint refuses
 //! a snapshot older than the stored one. Times are the collector's clock in
 //! Unix milliseconds; the filter only ever compares them with each other
@@ -85,6 +90,12 @@ pub struct HostState {
     /// `vllm`, `sglang`, `trtllm`, ... (informational).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine: Option<String>,
+    /// Prefill tokens the other gateways had sent this replica and not yet
+    /// seen a first byte for, as the collector read their load tables at
+    /// `scrapedAtMs`. Absent: unknown (one gateway, or a collector that
+    /// does not read its peers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_pending_tokens: Option<u64>,
 }
 
 /// What is wrong with a snapshot: a JSON path and a reason.
@@ -305,6 +316,7 @@ mod tests {
             block_size: Some(16),
             scraped_at_ms: 90,
             engine: Some("vllm".into()),
+            peer_pending_tokens: None,
         }
     }
 

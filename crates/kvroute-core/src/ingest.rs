@@ -459,6 +459,7 @@ mod tests {
                     block_size: None,
                     scraped_at_ms: 990,
                     engine: None,
+                    peer_pending_tokens: None,
                 })
                 .collect(),
         }

@@ -37,6 +37,7 @@ use kvroute_core::host::{HostError, MemorySharedData, SetError, SharedData, Tall
 use kvroute_core::index::IndexCache;
 use kvroute_core::ingest::{self, FleetCache};
 use kvroute_core::load::{self, Charge};
+use kvroute_core::picker::HostSet;
 use kvroute_core::usage::{self, Learned, PriorCache};
 use kvroute_core::{Config, Endpoint};
 use kvroute_sim::engine::sched::{Reading, Scheduler, Summary};
@@ -182,6 +183,16 @@ pub const ALL: &[&str] = &[
 /// is kvroute.
 pub const ORACLE_SHARED_LOAD: &str = "kvroute-oracle-shared-load";
 
+/// Not in [`ALL`]: kvroute whose modelled collector also reads every
+/// gateway's load table at each push and gives each gateway the sum of the
+/// *other* gateways' pending prefill per replica in its snapshot
+/// (`peerPendingTokens`, which the filter drains at `prefillTokensPerS`
+/// from the time it was read). kvroute-core reads the field; the real
+/// collector does not fill it yet (it reaches only its own gateway), so
+/// this is what that step would give (docs/fleet-state.md, "Several
+/// gateways: what the gap is"). At K = 1 it is kvroute.
+pub const PEER_PENDING: &str = "kvroute-peer-pending";
+
 /// The key of a router's report name (`round-robin (modelled)` ->
 /// `round-robin`).
 pub fn canonical(name: &str) -> &str {
@@ -257,11 +268,13 @@ pub fn build(name: &str, s: &Setup) -> Result<Box<dyn Router>, String> {
         "sglang-cache-aware" => Box::new(Sglang::new(engines, k)),
         "llm-d" => Box::new(Llmd::new(engines, k, seed)),
         "dynamo" => Box::new(Dynamo::new(engines, k, seed)),
-        "kvroute" => Box::new(Kvroute::new(s, false)?),
-        ORACLE_SHARED_LOAD => Box::new(Kvroute::new(s, true)?),
+        "kvroute" => Box::new(Kvroute::new(s, false, false)?),
+        ORACLE_SHARED_LOAD => Box::new(Kvroute::new(s, true, false)?),
+        PEER_PENDING => Box::new(Kvroute::new(s, false, true)?),
         other => {
             return Err(format!(
-                "unknown router {other:?}; known: {}, and {ORACLE_SHARED_LOAD} (an upper bound, not a router)",
+                "unknown router {other:?}; known: {}, {PEER_PENDING} (needs a collector that reads the gateways), \
+                 and {ORACLE_SHARED_LOAD} (an upper bound, not a router)",
                 ALL.join(", ")
             ))
         }
@@ -346,12 +359,15 @@ pub struct Kvroute {
     headers_at_submit: bool,
     /// Admission counts, `<counter>{objective=<name>}`.
     admission: BTreeMap<String, u64>,
+    /// The collector reads the gateways' load tables ([`PEER_PENDING`]);
+    /// their entries are keyed by the ids of this set.
+    peer_pending: Option<HostSet>,
 }
 
 impl Kvroute {
     /// `oracle`: every gateway reads and writes one in-flight load table
     /// ([`ORACLE_SHARED_LOAD`]).
-    fn new(s: &Setup, oracle: bool) -> Result<Self, String> {
+    fn new(s: &Setup, oracle: bool, peer_pending: bool) -> Result<Self, String> {
         let (engines, gateways, config) = (s.engines, s.gateways.max(1), &s.kvroute_config);
         let (collector_s, clock_scale) = (s.collector_s, s.gateway_clock_scale);
         let addresses: Vec<String> = (0..engines).map(super::engine_address).collect();
@@ -365,6 +381,7 @@ impl Kvroute {
         let bytes = serde_json::to_vec(&json).map_err(|e| e.to_string())?;
         let cfg = Config::from_json(&bytes).map_err(|e| format!("kvroute config: {e}"))?;
         let shared_load = Rc::new(MemorySharedData::default());
+        let peer_set = peer_pending.then(|| HostSet::new(addresses.iter().cloned()));
         Ok(Self {
             gateways: (0..gateways)
                 .map(|_| KvGateway {
@@ -392,6 +409,7 @@ impl Kvroute {
             rng: Rng::new(s.seed ^ 0x776b),
             headers_at_submit: s.headers_at_submit,
             admission: BTreeMap::new(),
+            peer_pending: peer_set,
             cfg,
         })
     }
@@ -428,6 +446,8 @@ impl Router for Kvroute {
     fn name(&self) -> String {
         if self.shares_load() {
             ORACLE_SHARED_LOAD.to_owned()
+        } else if self.peer_pending.is_some() {
+            PEER_PENDING.to_owned()
         } else {
             "kvroute".to_owned()
         }
@@ -456,6 +476,22 @@ impl Router for Kvroute {
     fn on_readings(&mut self, gw: usize, readings: &[Reading], taken_s: f64, now_s: f64) {
         self.seq += 1;
         let taken_ms = self.now_ms(taken_s);
+        // The other gateways' pending prefill per replica, read now.
+        let peers: Option<Vec<u64>> = self.peer_pending.as_ref().map(|hosts| {
+            let mut sum = vec![0u64; self.addresses.len()];
+            for (i, g) in self.gateways.iter().enumerate() {
+                if i == gw {
+                    continue;
+                }
+                let table = load::read(&g.store, &self.cfg.load_key);
+                for e in table.entries() {
+                    if let Some(slot) = hosts.index_of(e.host).and_then(|k| sum.get_mut(k)) {
+                        *slot = slot.saturating_add(e.prefill);
+                    }
+                }
+            }
+            sum
+        });
         let snap = Snapshot {
             version: SNAPSHOT_VERSION,
             seq: self.seq,
@@ -464,7 +500,8 @@ impl Router for Kvroute {
             hosts: readings
                 .iter()
                 .zip(&self.addresses)
-                .map(|(r, address)| HostState {
+                .enumerate()
+                .map(|(k, (r, address))| HostState {
                     address: address.clone(),
                     ready: true,
                     draining: false,
@@ -476,6 +513,7 @@ impl Router for Kvroute {
                     block_size: Some(BLOCK_TOKENS as u32),
                     scraped_at_ms: taken_ms,
                     engine: Some("vllm".to_owned()),
+                    peer_pending_tokens: peers.as_ref().and_then(|p| p.get(k).copied()),
                 })
                 .collect(),
         };
