@@ -42,8 +42,8 @@ use kvroute_core::config::Role;
 use kvroute_core::decide::{self, Decision, Unparsed};
 use kvroute_core::host::{header_text, AdmissionCounter, Counter, Gauge, Metrics, Tally};
 use kvroute_core::index::IndexCache;
-use kvroute_core::ingest::{self, FleetCache, Outcome, Refresh, INGEST_PATH};
-use kvroute_core::load::{self, Charge};
+use kvroute_core::ingest::{self, Ask, FleetCache, Outcome, Refresh, INGEST_PATH};
+use kvroute_core::load::{self, Charge, LoadReport};
 use kvroute_core::usage::{self, Tracker};
 use kvroute_core::{Config, Endpoint};
 use proxy_wasm::hostcalls;
@@ -452,7 +452,10 @@ impl RootContext for Root {
                         config.fallbacks,
                         config.epsilon
                     ),
-                    Role::Ingest => log::info!("kvroute: ingest configured at POST {INGEST_PATH}"),
+                    Role::Ingest => log::info!(
+                        "kvroute: ingest configured at POST {INGEST_PATH} (and GET {})",
+                        ingest::LOAD_PATH
+                    ),
                 }
                 let objectives: Vec<&str> = if config.admission.enabled {
                     std::iter::once(admit::DEFAULT_OBJECTIVE)
@@ -783,8 +786,9 @@ impl HttpContext for Stream {
         // them.
         let method = header(":method").unwrap_or_default();
         let path = header(":path").unwrap_or_default();
-        if path.split('?').next() == Some(INGEST_PATH) {
-            // Snapshots are only taken on the loopback ingest listener.
+        if matches!(path.split('?').next(), Some(INGEST_PATH | ingest::LOAD_PATH)) {
+            // Snapshots are only taken, and the load only served, on the
+            // loopback ingest listener.
             json_reply(404, Outcome::NotFound.body().as_deref());
             return Action::Pause;
         }
@@ -913,7 +917,9 @@ impl HttpContext for Stream {
     }
 }
 
-/// One push on the ingest listener: answered locally, never forwarded.
+/// One request on the ingest listener, answered locally, never forwarded:
+/// a snapshot push, or a collector reading this gateway's in-flight load
+/// (`GET /v1/fleet/load`, the same bearer token).
 struct Ingest {
     id: u32,
     shared: Rc<Shared>,
@@ -961,6 +967,22 @@ impl Ingest {
         Action::Pause
     }
 
+    /// This gateway's load table by address: the hosts of the stored
+    /// snapshot and the configured ones.
+    fn answer_load(&mut self) -> Action {
+        let cfg = &self.shared.config;
+        let table = load::read(&HostSharedData, &cfg.load_key);
+        let (view, _) = self.shared.fleet.borrow_mut().refresh(cfg, &HostSharedData);
+        let mut known = vec![&cfg.hosts];
+        if let Some(v) = view.as_deref() {
+            known.push(&v.set);
+        }
+        let body = LoadReport::of(&table, &known).to_json();
+        json_reply(200, std::str::from_utf8(&body).ok());
+        self.done = true;
+        Action::Pause
+    }
+
     fn limit(&self) -> usize {
         self.shared
             .config
@@ -976,9 +998,10 @@ impl HttpContext for Ingest {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let method = header(":method").unwrap_or_default();
         let path = header(":path").unwrap_or_default();
-        if let Some(o) = ingest::route_check(&method, &path) {
-            return self.answer(o);
-        }
+        let ask = match ingest::route(&method, &path) {
+            Ok(ask) => ask,
+            Err(o) => return self.answer(o),
+        };
         let authorized = self
             .shared
             .config
@@ -987,6 +1010,9 @@ impl HttpContext for Ingest {
             .is_some_and(|c| ingest::authorized(c, header("authorization").as_deref()));
         if !authorized {
             return self.answer(Outcome::Unauthorized);
+        }
+        if ask == Ask::Load {
+            return self.answer_load();
         }
         let declared = header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
         if declared.is_some_and(|n| n > self.limit()) {

@@ -12,12 +12,19 @@ may only confirm that choice. These tests check the behaviour, not timings:
   on one replica, with the replicas loaded unevenly and one gateway carrying
   in-flight work the other does not see;
 - a gateway killed mid-run loses only its own in-flight streams, and the
-  other keeps routing every conversation where it was.
+  other keeps routing every conversation where it was;
+- with one collector for both gateways (instead of one each), each gateway
+  gets the other's pending prefill per replica in its snapshot, and new
+  conversations avoid the replicas where the other gateway's long prompts
+  wait.
 """
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,6 +36,7 @@ from upstream import DELAY_HEADER
 
 CHAT = "/v1/chat/completions"
 TOKEN = "e2e-ingest-token-0123456789abcdef"
+LOAD_PATH = "/v1/fleet/load"
 COLLECTOR_INTERVAL_MS = 100
 # Uneven but with headroom everywhere (kvPressure 0.9, queuePressure 32): a
 # short queue on a conversation's replica costs less than recomputing its
@@ -170,3 +178,76 @@ def test_a_killed_gateway_loses_only_its_own_streams(two_gateways):
             lost += 1
     assert lost == 4, "the killed gateway's streams should have been cut"
     assert metric(b, "kvroute_decisions_degraded_total") == degraded_before
+
+
+def gateway_load(gw: harness.Stack, token: str | None = TOKEN, method: str = "GET") -> tuple[int, dict | str]:
+    """The gateway's in-flight load from its ingest listener."""
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    req = urllib.request.Request(gw.ingest_url + LOAD_PATH, headers=headers, method=method,
+                                 data=b"{}" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode("utf-8", "replace")
+
+
+def test_one_collector_for_both_gateways_shares_their_pending_prefill(stack_factory, wasm_path, collector_binary):
+    """One collector pushing to both gateways reads each one's in-flight
+    load and gives the other its pending prefill per replica: new
+    conversations sent through one gateway avoid the replicas where the
+    other has long prompts waiting for their first byte, though the
+    engines' metrics (pinned, no queue) show nothing of them."""
+    a = stack_factory(replicas=4, concurrency=2, ingest_token=TOKEN)
+    b = stack_factory(fleet_of=a, concurrency=2, ingest_token=TOKEN)
+    for host in a.live_hosts:
+        a.replica_control(host, ready=True, running=2, models=["test-model"], kv=0.3, waiting=0)
+    port = harness.free_ports(1)[0]
+    collector = a.start_collector(binary=collector_binary, gateways=[a.ingest_url, b.ingest_url],
+                                  interval_ms=COLLECTOR_INTERVAL_MS, metrics_port=port, collector_id="shared")
+    for gw in (a, b):
+        wait_until(lambda gw=gw: metric(gw, "kvroute_fleet_hosts") == 4, 10.0, "four replicas in the snapshot")
+
+    # The load endpoint answers the bearer token only, and only GET.
+    assert gateway_load(b)[0] == 200
+    assert gateway_load(b, token=None)[0] == 401
+    assert gateway_load(b, token="wrong-token-0123456789abcdef")[0] == 401
+    assert gateway_load(b, method="POST")[0] == 405
+
+    # Two long prompts (about 30k tokens each: a second of prefill at
+    # prefillTokensPerS, so slow snapshots here do not drain them) held at
+    # their replicas by b.
+    pool = ThreadPoolExecutor(max_workers=2)
+    held = [pool.submit(send, b.gateway_url, CHAT,
+                        json_body=chat_body(user_text=f"held {i} " + filler(f"held-{i}", 120_000)),
+                        session=f"held-{i}", headers={DELAY_HEADER: "6000"}, timeout=20)
+            for i in range(2)]
+    pool.shutdown(wait=False)
+    loaded: set[str] = set()
+
+    def b_has_pending() -> bool:
+        status, body = gateway_load(b)
+        if status != 200:
+            return False
+        loaded.clear()
+        loaded.update(h["address"] for h in body["hosts"] if h["prefillPendingTokens"] >= 5000)
+        return len(loaded) > 0
+
+    wait_until(b_has_pending, 5.0, "b's held prompts in its load table")
+    assert len(loaded) <= 2, loaded
+    # A collector round or two, so that a's snapshot carries b's figures.
+    time.sleep(3 * COLLECTOR_INTERVAL_MS / 1000)
+    placed = []
+    for c in range(12):
+        r = send(a.gateway_url, CHAT, json_body=chat_body(user_text=f"new conversation {c} " + filler(f"new-{c}", 2000)),
+                 session=f"new-{c}")
+        assert r.status == 200, r.describe()
+        placed.append(r.served_by)
+    print(f"\n[gateways] b holds prompts on {sorted(loaded)}; a placed 12 new conversations on {Counter(placed)}")
+    assert not loaded & set(placed), f"a sent new conversations where b's prompts wait: {Counter(placed)}"
+    assert len(set(placed)) >= 2, placed
+    text = harness.http_get(collector.metrics_url)[1]
+    for gw in (a, b):
+        assert f'kvroute_collector_load_reads_total{{gateway="{gw.ingest_url}",result="ok"}}' in text, text
+    for f in held:
+        assert f.result().status == 200

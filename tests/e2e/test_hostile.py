@@ -367,6 +367,17 @@ def _(env: Env):
     public_push(env, harness.INGEST_PATH, TOKEN, True, http2=True)
 
 
+@case("public-load-read", BOTH,
+      "GET /v1/fleet/load (and with ?x=1) on the gateway listener, right bearer token",
+      "404 from kvroute (`not found`): the gateway's in-flight load is served on the ingest listener only")
+def _(env: Env):
+    for path in ("/v1/fleet/load", "/v1/fleet/load?x=1"):
+        r = env.h1_one("GET", path, [("authorization", f"Bearer {TOKEN}")])
+        assert r.status == 404 and r.served_by is None, r.describe()
+        assert "not found" in (r.json or {}).get("error", ""), r.describe()
+        assert "prefillPendingTokens" not in r.body.decode("utf-8", "replace"), r.describe()
+
+
 @case("public-push-path-variants", BOTH,
       "same push to `/v1/fleet/snapshot/`, `//v1/fleet/snapshot`, `/v1/fleet/%73napshot`, `/V1/FLEET/SNAPSHOT`",
       "not the ingest path: forwarded like any non-inference request (200 from a fleet member, "

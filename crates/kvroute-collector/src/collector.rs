@@ -35,7 +35,7 @@ use crate::discovery::{self, Discovery, Resolver};
 use crate::engines::EngineMetrics;
 use crate::metrics::{Metrics, MetricsServer};
 use crate::now_ms;
-use crate::push::{Payload, Pusher};
+use crate::push::{LoadBoard, Payload, Peers, Pusher};
 use crate::scrape::{self, Report, Scrape, Worker};
 
 /// What the loop hears about.
@@ -229,12 +229,21 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
         .clone()
         .ok_or_else(|| StartError("no ingest token".into()))?;
     let mut pushers = Vec::new();
-    for gw in &settings.gateways {
+    // With several gateways, each one's snapshot carries the others'
+    // pending prefill (push.rs).
+    let board =
+        (settings.gateways.len() > 1).then(|| Arc::new(LoadBoard::new(settings.gateways.len())));
+    for (index, gw) in settings.gateways.iter().enumerate() {
+        let peers = board.as_ref().map(|b| Peers {
+            board: Arc::clone(b),
+            index,
+        });
         let p = Pusher::spawn(
             gw.clone(),
             token.clone(),
             settings.push_timeout,
             Arc::clone(&metrics),
+            peers,
         )
         .map_err(|e| StartError(format!("cannot start a push thread: {e}")))?;
         pushers.push(p);
@@ -456,6 +465,7 @@ impl Loop {
         let payload = Payload {
             seq,
             body: Arc::new(snap.to_json()),
+            snapshot: Arc::new(snap),
         };
         for p in &self.pushers {
             p.offer(payload.clone());

@@ -207,10 +207,14 @@ pub struct Gateway {
     pub base: String,
     /// `<base>/v1/fleet/snapshot`.
     pub push_url: String,
+    /// `<base>/v1/fleet/load`: the gateway's in-flight load.
+    pub load_url: String,
 }
 
 /// The ingest path on a gateway.
-pub const INGEST_PATH: &str = "/v1/fleet/snapshot";
+pub const INGEST_PATH: &str = kvroute_core::ingest::INGEST_PATH;
+/// Where a gateway serves its in-flight load.
+pub const LOAD_PATH: &str = kvroute_core::ingest::LOAD_PATH;
 
 impl Gateway {
     pub fn parse(s: &str) -> Result<Gateway, String> {
@@ -235,14 +239,11 @@ impl Gateway {
             authority.to_owned()
         };
         Target::parse(&with_port)?;
-        let push_url = if base.ends_with(INGEST_PATH) {
-            base.to_owned()
-        } else {
-            format!("{base}{INGEST_PATH}")
-        };
+        let root = base.strip_suffix(INGEST_PATH).unwrap_or(base);
         Ok(Gateway {
             base: base.to_owned(),
-            push_url,
+            push_url: format!("{root}{INGEST_PATH}"),
+            load_url: format!("{root}{LOAD_PATH}"),
         })
     }
 }
@@ -659,7 +660,8 @@ mod tests {
             s.gateways,
             vec![Gateway {
                 base: "http://127.0.0.1:10001".into(),
-                push_url: "http://127.0.0.1:10001/v1/fleet/snapshot".into()
+                push_url: "http://127.0.0.1:10001/v1/fleet/snapshot".into(),
+                load_url: "http://127.0.0.1:10001/v1/fleet/load".into(),
             }]
         );
         assert_eq!(s.token.as_ref().map(Secret::expose), Some("t0k3n"));
@@ -920,11 +922,13 @@ metrics-addr = "127.0.0.1:0"
         assert_eq!(g.push_url, "http://gw.local/v1/fleet/snapshot");
         let g = Gateway::parse("http://[::1]:10001/v1/fleet/snapshot").unwrap();
         assert_eq!(g.push_url, "http://[::1]:10001/v1/fleet/snapshot");
+        assert_eq!(g.load_url, "http://[::1]:10001/v1/fleet/load");
         let g = Gateway::parse("http://127.0.0.1:10001/prefix/").unwrap();
         assert_eq!(
             g.push_url,
             "http://127.0.0.1:10001/prefix/v1/fleet/snapshot"
         );
+        assert_eq!(g.load_url, "http://127.0.0.1:10001/prefix/v1/fleet/load");
         assert!(Gateway::parse("http://").is_err());
         assert!(Gateway::parse("http://host:notaport").is_err());
     }

@@ -11,6 +11,7 @@
 //! | `kvroute_collector_pushes_total` | counter | `gateway`, `status` | push results: the HTTP status (`204`, `401`, `409`, ...) or the transport failure (`timeout`, `refused`, ...) |
 //! | `kvroute_collector_push_duration_seconds` | histogram | | one push |
 //! | `kvroute_collector_last_push_timestamp_seconds` | gauge | `gateway` | last push the gateway accepted (2xx), Unix time |
+//! | `kvroute_collector_load_reads_total` | counter | `gateway`, `result` | reads of a gateway's in-flight load (`GET /v1/fleet/load`, with two gateways or more): `ok`, the HTTP status, `invalid`, or the transport failure |
 //! | `kvroute_collector_snapshot_seq` | gauge | | `seq` of the latest snapshot built |
 //! | `kvroute_collector_dns_failures_total` | counter | `name` | failed lookups of an engine name |
 //!
@@ -70,6 +71,7 @@ struct Inner {
     pushes: BTreeMap<(String, String), u64>,
     push_seconds: Histogram,
     last_push_ok_ms: BTreeMap<String, u64>,
+    load_reads: BTreeMap<(String, String), u64>,
     snapshot_seq: u64,
     dns_failures: BTreeMap<String, u64>,
 }
@@ -133,6 +135,14 @@ impl Metrics {
         if let Some(ms) = accepted_at_ms {
             m.last_push_ok_ms.insert(gateway.to_owned(), ms);
         }
+    }
+
+    pub fn load_read(&self, gateway: &str, result: &str) {
+        *self
+            .lock()
+            .load_reads
+            .entry((gateway.to_owned(), result.to_owned()))
+            .or_default() += 1;
     }
 
     pub fn snapshot_seq(&self, seq: u64) {
@@ -227,6 +237,20 @@ impl Metrics {
                 "kvroute_collector_last_push_timestamp_seconds{{gateway=\"{}\"}} {:.3}",
                 esc(gw),
                 *ms as f64 / 1000.0
+            );
+        }
+        header(
+            &mut out,
+            "kvroute_collector_load_reads_total",
+            "counter",
+            "Reads of a gateway's in-flight load by result.",
+        );
+        for ((gw, result), n) in &m.load_reads {
+            let _ = writeln!(
+                out,
+                "kvroute_collector_load_reads_total{{gateway=\"{}\",result=\"{}\"}} {n}",
+                esc(gw),
+                esc(result)
             );
         }
         header(

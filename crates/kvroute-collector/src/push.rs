@@ -14,12 +14,28 @@
 //! once, with the status and the gateway's error text,
 //! so a refusing gateway does not fill the log four times a second. Nothing
 //! stops the pushing.
+//!
+//! **Several gateways.** A collector that pushes to two gateways or more
+//! (one collector for all gateway replicas) also reads each gateway's
+//! in-flight load just before pushing to it (`GET <base>/v1/fleet/load`,
+//! the same token; [`kvroute_core::load::LoadReport`]), waits briefly for
+//! the other gateways' reads of the same round ([`LoadBoard`]), and sets
+//! every host's `peerPendingTokens` to the sum of the *other* gateways'
+//! pending prefill there, from reads younger than [`LOAD_MAX_AGE_MS`]. The
+//! gateway adds that to its own live figure, drained at its prefill rate
+//! from the host's scrape time (docs/fleet-state.md, "Several gateways").
+//! A gateway whose load cannot be read counts as unknown, not idle: with no
+//! other gateway's load known, the field is left out. Results are counted
+//! in `kvroute_collector_load_reads_total`; a change of result is logged.
 
+use std::collections::HashMap;
 use std::io;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use kvroute_core::fleet::Snapshot;
+use kvroute_core::load::LoadReport;
 use log::{info, warn};
 
 use crate::config::{Gateway, Secret};
@@ -27,11 +43,124 @@ use crate::metrics::Metrics;
 use crate::now_ms;
 use crate::scrape::classify;
 
-/// A snapshot ready to send: its `seq` (for messages) and its JSON.
+/// A snapshot ready to send: its `seq` (for messages), the snapshot and
+/// its JSON.
 #[derive(Debug, Clone)]
 pub struct Payload {
     pub seq: u64,
+    pub snapshot: Arc<Snapshot>,
     pub body: Arc<Vec<u8>>,
+}
+
+/// A gateway's load read older than this is not used (its gateway stopped
+/// answering): eight push intervals of 250 ms, the router's default
+/// `staleAfterMs`.
+pub const LOAD_MAX_AGE_MS: u64 = 2000;
+
+/// Largest load answer read (a full fleet of [`kvroute_core::fleet::MAX_HOSTS`]
+/// hosts is about 400 KiB).
+const LOAD_MAX_BYTES: u64 = 1 << 20;
+
+/// How long a pusher waits for the other pushers' reads of the same round
+/// before it sums what it has.
+const READ_WAIT: Duration = Duration::from_millis(25);
+
+#[derive(Debug, Clone, Default)]
+struct Read {
+    /// When this gateway's load was last asked for (read or failed).
+    tried_ms: u64,
+    /// The last good read and when it was made; `None` after a failure.
+    load: Option<(u64, LoadReport)>,
+}
+
+/// The gateways' in-flight loads, one slot per gateway. Every pusher is
+/// handed a new snapshot at the same moment; each reads its own gateway's
+/// load, waits up to [`READ_WAIT`] for the others' reads of that round,
+/// and sums the others' into the snapshot it sends. So the figures a
+/// gateway gets are about as old as the snapshot itself.
+#[derive(Debug)]
+pub struct LoadBoard {
+    slots: Mutex<Vec<Read>>,
+    changed: Condvar,
+}
+
+impl LoadBoard {
+    pub fn new(gateways: usize) -> LoadBoard {
+        LoadBoard {
+            slots: Mutex::new(vec![Read::default(); gateways]),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<Read>> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Gateway `i`'s load, asked for at `now_ms`: the report, or `None`
+    /// (the read failed).
+    pub fn set(&self, i: usize, now_ms: u64, load: Option<LoadReport>) {
+        if let Some(slot) = self.lock().get_mut(i) {
+            slot.tried_ms = now_ms;
+            slot.load = load.map(|r| (now_ms, r));
+        }
+        self.changed.notify_all();
+    }
+
+    /// Waits until every gateway's load was asked for at or after
+    /// `since_ms`, at most `limit`.
+    pub fn wait_round(&self, since_ms: u64, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let mut slots = self.lock();
+        while slots.iter().any(|s| s.tried_ms < since_ms) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            slots = match self.changed.wait_timeout(slots, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+    }
+
+    /// The other gateways' pending prefill by address, summed over reads
+    /// younger than [`LOAD_MAX_AGE_MS`]; `None` when no other gateway's
+    /// load is known.
+    pub fn others(&self, me: usize, now_ms: u64) -> Option<HashMap<String, u64>> {
+        let slots = self.lock();
+        let mut sum: Option<HashMap<String, u64>> = None;
+        for (i, slot) in slots.iter().enumerate() {
+            let Some((read_ms, report)) = &slot.load else {
+                continue;
+            };
+            if i == me || now_ms.saturating_sub(*read_ms) > LOAD_MAX_AGE_MS {
+                continue;
+            }
+            let sum = sum.get_or_insert_with(HashMap::new);
+            for h in &report.hosts {
+                let v = sum.entry(h.address.clone()).or_default();
+                *v = v.saturating_add(h.prefill_pending_tokens);
+            }
+        }
+        sum
+    }
+}
+
+/// `snap` with every host's `peerPendingTokens` from `others` (0 where no
+/// other gateway has any).
+pub fn with_peers(snap: &Snapshot, others: &HashMap<String, u64>) -> Snapshot {
+    let mut out = snap.clone();
+    for h in &mut out.hosts {
+        h.peer_pending_tokens = Some(others.get(&h.address).copied().unwrap_or(0));
+    }
+    out
+}
+
+/// What one pusher shares with the others: the board, and its slot.
+#[derive(Debug, Clone)]
+pub struct Peers {
+    pub board: Arc<LoadBoard>,
+    pub index: usize,
 }
 
 #[derive(Debug, Default)]
@@ -60,17 +189,20 @@ pub struct Pusher {
 }
 
 impl Pusher {
+    /// `peers`: with two gateways or more, the shared load board and this
+    /// gateway's slot on it.
     pub fn spawn(
         gateway: Gateway,
         token: Secret,
         timeout: Duration,
         metrics: Arc<Metrics>,
+        peers: Option<Peers>,
     ) -> io::Result<Pusher> {
         let slot = Arc::new(Slot::default());
         let mine = Arc::clone(&slot);
         let handle = thread::Builder::new()
             .name(format!("push {}", gateway.base))
-            .spawn(move || run(&gateway, &token, timeout, &metrics, &mine))?;
+            .spawn(move || run(&gateway, &token, timeout, &metrics, &mine, peers.as_ref()))?;
         Ok(Pusher {
             slot,
             handle: Some(handle),
@@ -119,7 +251,14 @@ impl Outcome {
     }
 }
 
-fn run(gateway: &Gateway, token: &Secret, timeout: Duration, metrics: &Metrics, slot: &Slot) {
+fn run(
+    gateway: &Gateway,
+    token: &Secret,
+    timeout: Duration,
+    metrics: &Metrics,
+    slot: &Slot,
+    peers: Option<&Peers>,
+) {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(timeout))
@@ -130,6 +269,7 @@ fn run(gateway: &Gateway, token: &Secret, timeout: Duration, metrics: &Metrics, 
         .into();
     let auth = format!("Bearer {}", token.expose());
     let mut last_label: Option<String> = None;
+    let mut last_load: Option<String> = None;
     loop {
         let payload = {
             let mut mb = slot.lock();
@@ -143,8 +283,32 @@ fn run(gateway: &Gateway, token: &Secret, timeout: Duration, metrics: &Metrics, 
                 mb = slot.wake.wait(mb).unwrap_or_else(|p| p.into_inner());
             }
         };
+        let body = match peers {
+            Some(p) => {
+                let (read, label) = read_load(&agent, &gateway.load_url, &auth);
+                metrics.load_read(&gateway.base, &label);
+                p.board.set(p.index, now_ms(), read);
+                if last_load.as_deref() != Some(label.as_str()) {
+                    if label == "ok" {
+                        info!("gateway {}: reading its in-flight load", gateway.base);
+                    } else {
+                        warn!(
+                            "gateway {}: cannot read its in-flight load ({label}); the other gateways get none of it",
+                            gateway.base
+                        );
+                    }
+                    last_load = Some(label);
+                }
+                p.board.wait_round(payload.snapshot.taken_at_ms, READ_WAIT);
+                match p.board.others(p.index, now_ms()) {
+                    Some(others) => Arc::new(with_peers(&payload.snapshot, &others).to_json()),
+                    None => Arc::clone(&payload.body),
+                }
+            }
+            None => Arc::clone(&payload.body),
+        };
         let started = Instant::now();
-        let outcome = post(&agent, &gateway.push_url, &auth, &payload.body);
+        let outcome = post(&agent, &gateway.push_url, &auth, &body);
         let label = outcome.label();
         metrics.push(
             &gateway.base,
@@ -156,6 +320,31 @@ fn run(gateway: &Gateway, token: &Secret, timeout: Duration, metrics: &Metrics, 
             log_change(gateway, &payload, &outcome, last_label.is_none());
             last_label = Some(label);
         }
+    }
+}
+
+/// Reads a gateway's in-flight load: the report, and the result's label.
+pub fn read_load(agent: &ureq::Agent, url: &str, auth: &str) -> (Option<LoadReport>, String) {
+    match agent.get(url).header("Authorization", auth).call() {
+        Ok(mut resp) => {
+            let status = resp.status().as_u16();
+            if status != 200 {
+                return (None, status.to_string());
+            }
+            let bytes = resp
+                .body_mut()
+                .with_config()
+                .limit(LOAD_MAX_BYTES)
+                .read_to_vec();
+            match bytes
+                .map_err(|e| e.to_string())
+                .and_then(|b| LoadReport::from_json(&b))
+            {
+                Ok(r) => (Some(r), "ok".to_owned()),
+                Err(_) => (None, "invalid".to_owned()),
+            }
+        }
+        Err(e) => (None, classify(&e).to_owned()),
     }
 }
 
@@ -250,6 +439,56 @@ fn log_change(gateway: &Gateway, payload: &Payload, outcome: &Outcome, first: bo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn report(entries: &[(&str, u64)]) -> LoadReport {
+        LoadReport {
+            hosts: entries
+                .iter()
+                .map(|&(a, p)| kvroute_core::load::HostLoad {
+                    address: a.to_owned(),
+                    prefill_pending_tokens: p,
+                    memory_tokens: p,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn the_board_sums_the_other_gateways_fresh_reads() {
+        let b = LoadBoard::new(3);
+        assert_eq!(b.others(0, 10_000), None, "nothing read yet");
+        b.set(0, 10_000, Some(report(&[("a:1", 100)])));
+        assert_eq!(b.others(0, 10_000), None, "only its own");
+        b.set(1, 10_000, Some(report(&[("a:1", 5), ("b:1", 7)])));
+        b.set(2, 9_000, Some(report(&[("a:1", 1)])));
+        let o = b.others(0, 10_000).unwrap();
+        assert_eq!((o["a:1"], o["b:1"]), (6, 7));
+        let o = b.others(1, 10_000).unwrap();
+        assert_eq!((o["a:1"], o.get("b:1")), (101, None));
+        // Gateway 2's read ages out; a failed read clears gateway 1's.
+        let o = b.others(0, 11_500).unwrap();
+        assert_eq!(o["a:1"], 5);
+        b.set(1, 11_500, None);
+        assert_eq!(b.others(0, 11_500), None);
+        b.set(7, 11_500, None); // no such slot: ignored
+    }
+
+    #[test]
+    fn a_round_waits_for_every_gateways_read_and_no_longer() {
+        let b = Arc::new(LoadBoard::new(2));
+        b.set(0, 5_000, None);
+        // Gateway 1 was asked before 5000: the wait runs to its limit.
+        b.set(1, 4_000, None);
+        let t = Instant::now();
+        b.wait_round(5_000, Duration::from_millis(30));
+        assert!(t.elapsed() >= Duration::from_millis(30));
+        // Another thread's read ends the wait.
+        let other = Arc::clone(&b);
+        let h = thread::spawn(move || other.set(1, 5_001, Some(report(&[]))));
+        b.wait_round(5_000, Duration::from_secs(30));
+        h.join().unwrap();
+        assert_eq!(b.others(0, 5_001), Some(HashMap::new()));
+    }
 
     #[test]
     fn error_text_prefers_the_json_error() {

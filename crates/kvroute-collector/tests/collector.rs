@@ -311,3 +311,118 @@ fn dns_names_follow_their_records() {
     assert_eq!(s.hosts[0].engine.as_deref(), Some("sglang"));
     running.stop();
 }
+
+/// A gateway that accepts every push and answers `GET /v1/fleet/load` with
+/// `load` (a JSON body), or with 404 while `load` is empty (a gateway
+/// that does not serve it).
+fn gateway_with_load(load: Arc<Mutex<String>>) -> FakeServer {
+    FakeServer::start(Arc::new(move |r: &Request| {
+        match (r.method.as_str(), r.path.as_str()) {
+            ("POST", "/v1/fleet/snapshot") => Response::new(204, ""),
+            ("GET", "/v1/fleet/load") => {
+                let body = load.lock().unwrap().clone();
+                if body.is_empty() {
+                    Response::new(404, "{\"error\": \"not found\"}")
+                } else {
+                    Response::new(200, body)
+                }
+            }
+            _ => Response::new(404, ""),
+        }
+    }))
+}
+
+fn load_body(address: SocketAddr, prefill: u64) -> String {
+    format!(
+        r#"{{"hosts":[{{"address":"{address}","prefillPendingTokens":{prefill},"memoryTokens":{}}}]}}"#,
+        prefill * 2
+    )
+}
+
+/// With two gateways, each one's snapshot carries the other's pending
+/// prefill per replica; a gateway whose load cannot be read gives none.
+#[test]
+fn several_gateways_get_each_others_pending_prefill() {
+    let ok = Arc::new(AtomicU16::new(200));
+    let (e1, e2) = (
+        engine(VLLM_METRICS, ok.clone()),
+        engine(VLLM_METRICS, ok.clone()),
+    );
+    let (load_a, load_b) = (
+        Arc::new(Mutex::new(load_body(e1.addr, 3000))),
+        Arc::new(Mutex::new(String::new())),
+    );
+    let (gw_a, gw_b) = (
+        gateway_with_load(load_a.clone()),
+        gateway_with_load(load_b.clone()),
+    );
+    let mut s = settings(vec![Target::Addr(e1.addr), Target::Addr(e2.addr)], &gw_a);
+    s.gateways
+        .push(Gateway::parse(&format!("http://{}", gw_b.addr)).unwrap());
+    s.push_interval = Duration::from_millis(50);
+    let running = kvroute_collector::start(s).unwrap();
+    let metrics_addr = running.metrics_addr().unwrap();
+
+    let snapshots = |gw: &FakeServer| -> Vec<Snapshot> {
+        gw.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| r.method == "POST")
+            .map(|r| Snapshot::from_json(&r.body).unwrap())
+            .collect()
+    };
+    let peer = |s: &Snapshot, addr: SocketAddr| host(s, addr).peer_pending_tokens;
+    // B hears A's load; A, whose peer answers 404, hears nothing.
+    assert!(
+        wait_until(Duration::from_secs(5), || snapshots(&gw_b)
+            .iter()
+            .any(|s| s.hosts.len() == 2 && peer(s, e1.addr) == Some(3000))),
+        "no push to B with A's 3000 tokens: {:?}",
+        snapshots(&gw_b)
+    );
+    let b_last = snapshots(&gw_b).pop().unwrap();
+    assert_eq!(
+        peer(&b_last, e2.addr),
+        Some(0),
+        "a replica A has nothing on"
+    );
+    assert!(snapshots(&gw_a)
+        .iter()
+        .all(|s| s.hosts.iter().all(|h| h.peer_pending_tokens.is_none())));
+    assert!(metric_line_present(
+        metrics_addr,
+        &format!(
+            "kvroute_collector_load_reads_total{{gateway=\"http://{}\",result=\"404\"}}",
+            gw_b.addr
+        )
+    ));
+
+    // B starts serving its load: A hears it.
+    *load_b.lock().unwrap() = load_body(e2.addr, 700);
+    assert!(
+        wait_until(Duration::from_secs(5), || snapshots(&gw_a).iter().any(
+            |s| peer(s, e2.addr) == Some(700) && peer(s, e1.addr) == Some(0)
+        )),
+        "no push to A with B's 700 tokens"
+    );
+    // A answers garbage: counted, and B's snapshots lose the field once
+    // A's last good read has aged out.
+    *load_a.lock().unwrap() = "{\"hosts\": 5}".to_owned();
+    assert!(metric_line_present(
+        metrics_addr,
+        &format!(
+            "kvroute_collector_load_reads_total{{gateway=\"http://{}\",result=\"invalid\"}}",
+            gw_a.addr
+        )
+    ));
+    let since = snapshots(&gw_b).len();
+    assert!(
+        wait_until(Duration::from_secs(5), || snapshots(&gw_b)
+            .iter()
+            .skip(since)
+            .any(|s| s.hosts.iter().all(|h| h.peer_pending_tokens.is_none()))),
+        "B still hears A's load after A's reads failed"
+    );
+    running.stop();
+}

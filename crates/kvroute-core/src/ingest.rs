@@ -37,6 +37,18 @@ use crate::host::{Counter, SetError, SharedData};
 
 /// Path the collector pushes to.
 pub const INGEST_PATH: &str = "/v1/fleet/snapshot";
+/// Path a collector reads the gateway's in-flight load from
+/// ([`crate::load::LoadReport`]), with the same bearer token.
+pub const LOAD_PATH: &str = "/v1/fleet/load";
+
+/// What a request on the ingest listener asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ask {
+    /// `POST /v1/fleet/snapshot`: store a snapshot.
+    Push,
+    /// `GET /v1/fleet/load`: this gateway's in-flight load per replica.
+    Load,
+}
 
 /// The answer to one push.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,8 +124,12 @@ impl Outcome {
                 "collector {pushed:?} conflicts with {owner:?}, which owns this gateway's snapshot \
                  (last push {silent_ms} ms ago); it takes over after {lease_ms} ms without one"
             ),
-            Outcome::NotFound => format!("not found: push snapshots to POST {INGEST_PATH}"),
-            Outcome::MethodNotAllowed => format!("method not allowed: use POST {INGEST_PATH}"),
+            Outcome::NotFound => format!(
+                "not found: push snapshots to POST {INGEST_PATH}, read the load at GET {LOAD_PATH}"
+            ),
+            Outcome::MethodNotAllowed => {
+                format!("method not allowed: use POST {INGEST_PATH} or GET {LOAD_PATH}")
+            }
             Outcome::Unavailable => "shared data unavailable".to_owned(),
         };
         Some(serde_json::json!({ "error": msg }).to_string())
@@ -147,15 +163,18 @@ pub fn authorized(cfg: &IngestConfig, authorization: Option<&str>) -> bool {
 }
 
 /// Method and path check, before the body is read.
-pub fn route_check(method: &str, path: &str) -> Option<Outcome> {
+pub fn route(method: &str, path: &str) -> Result<Ask, Outcome> {
     let path = path.split('?').next().unwrap_or(path);
-    if path != INGEST_PATH {
-        return Some(Outcome::NotFound);
+    let (ask, wanted) = match path {
+        INGEST_PATH => (Ask::Push, "POST"),
+        LOAD_PATH => (Ask::Load, "GET"),
+        _ => return Err(Outcome::NotFound),
+    };
+    if method.eq_ignore_ascii_case(wanted) {
+        Ok(ask)
+    } else {
+        Err(Outcome::MethodNotAllowed)
     }
-    if !method.eq_ignore_ascii_case("POST") {
-        return Some(Outcome::MethodNotAllowed);
-    }
-    None
 }
 
 const MAX_CAS_TRIES: usize = 8;
@@ -477,14 +496,14 @@ mod tests {
         assert!(authorized(ing, Some("bearer 0123456789abcdef")));
         assert!(!authorized(ing, Some("Basic 0123456789abcdef")));
         assert!(!authorized(ing, None));
-        assert_eq!(route_check("POST", INGEST_PATH), None);
+        assert_eq!(route("POST", INGEST_PATH), Ok(Ask::Push));
+        assert_eq!(route("GET", INGEST_PATH), Err(Outcome::MethodNotAllowed));
+        assert_eq!(route("GET", LOAD_PATH), Ok(Ask::Load));
+        assert_eq!(route("get", &format!("{LOAD_PATH}?x=1")), Ok(Ask::Load));
+        assert_eq!(route("POST", LOAD_PATH), Err(Outcome::MethodNotAllowed));
         assert_eq!(
-            route_check("GET", INGEST_PATH),
-            Some(Outcome::MethodNotAllowed)
-        );
-        assert_eq!(
-            route_check("POST", "/v1/chat/completions"),
-            Some(Outcome::NotFound)
+            route("POST", "/v1/chat/completions"),
+            Err(Outcome::NotFound)
         );
     }
 

@@ -19,7 +19,15 @@
 //! fleet. Hosts are keyed by id, not position, so a config change that
 //! reorders the host list keeps everyone's load. (`KVL1` held prefill and
 //! decode tokens instead; its key, `load.v1`, is no longer read.)
+//!
+//! A collector that pushes to several gateways reads each one's table on
+//! the ingest listener (`GET /v1/fleet/load`, [`LoadReport`], by address)
+//! and gives each gateway the others' pending prefill in its snapshot
+//! (`peerPendingTokens`).
 
+use serde::{Deserialize, Serialize};
+
+use crate::fleet::MAX_HOSTS;
 use crate::host::{SetError, SharedData};
 use crate::picker::HostSet;
 
@@ -144,6 +152,61 @@ impl LoadTable {
             e.memory = e.memory.saturating_sub(c.memory);
         }
         self.entries.retain(|e| e.prefill != 0 || e.memory != 0);
+    }
+}
+
+/// A gateway's load table by address, as the ingest listener serves it:
+/// `{"hosts": [{"address": "10.0.0.11:8000", "prefillPendingTokens": 2048,
+/// "memoryTokens": 9000}]}`. Idle replicas are left out.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LoadReport {
+    pub hosts: Vec<HostLoad>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HostLoad {
+    pub address: String,
+    pub prefill_pending_tokens: u64,
+    pub memory_tokens: u64,
+}
+
+impl LoadReport {
+    /// The table's entries whose host is in one of `known` (the snapshot's
+    /// and the configured hosts; the table keys hosts by id), at most
+    /// [`MAX_HOSTS`].
+    pub fn of(table: &LoadTable, known: &[&HostSet]) -> LoadReport {
+        let hosts = table
+            .entries()
+            .iter()
+            .filter_map(|e| {
+                known.iter().find_map(|set| {
+                    let host = set.index_of(e.host).and_then(|i| set.get(i))?;
+                    Some(HostLoad {
+                        address: host.addr.clone(),
+                        prefill_pending_tokens: e.prefill,
+                        memory_tokens: e.memory,
+                    })
+                })
+            })
+            .take(MAX_HOSTS)
+            .collect();
+        LoadReport { hosts }
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Decodes a gateway's answer; more than [`MAX_HOSTS`] hosts is an
+    /// error.
+    pub fn from_json(bytes: &[u8]) -> Result<LoadReport, String> {
+        let r: LoadReport = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        if r.hosts.len() > MAX_HOSTS {
+            return Err(format!("{} hosts, at most {MAX_HOSTS}", r.hosts.len()));
+        }
+        Ok(r)
     }
 }
 
@@ -313,6 +376,46 @@ mod tests {
             update(&store, "k", |_| ()).unwrap_err(),
             UpdateError::Contended
         );
+    }
+
+    #[test]
+    fn the_report_names_known_hosts_by_address() {
+        let snapshot = HostSet::new(["10.0.0.1:1".to_string(), "10.0.0.2:1".to_string()]);
+        let configured = HostSet::new(["10.0.0.3:1".to_string()]);
+        let mut t = LoadTable::default();
+        for (host, prefill) in [
+            (snapshot.get(1).unwrap().id, 5),
+            (configured.get(0).unwrap().id, 7),
+            (999, 1),
+        ] {
+            t.add(Charge {
+                host,
+                prefill,
+                memory: 2 * prefill,
+            });
+        }
+        let r = LoadReport::of(&t, &[&snapshot, &configured]);
+        let got: Vec<(&str, u64, u64)> = r
+            .hosts
+            .iter()
+            .map(|h| {
+                (
+                    h.address.as_str(),
+                    h.prefill_pending_tokens,
+                    h.memory_tokens,
+                )
+            })
+            .collect();
+        assert_eq!(got, vec![("10.0.0.2:1", 5, 10), ("10.0.0.3:1", 7, 14)]);
+        assert_eq!(LoadReport::from_json(&r.to_json()), Ok(r));
+        assert!(LoadReport::from_json(br#"{"hosts":[{"address":"a"}]}"#).is_err());
+        assert!(LoadReport::from_json(b"nope").is_err());
+        let many = format!(
+            r#"{{"hosts":[{}]}}"#,
+            vec![r#"{"address":"a","prefillPendingTokens":1,"memoryTokens":1}"#; MAX_HOSTS + 1]
+                .join(",")
+        );
+        assert!(LoadReport::from_json(many.as_bytes()).is_err());
     }
 
     #[test]

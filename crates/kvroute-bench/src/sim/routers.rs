@@ -36,7 +36,7 @@ use kvroute_core::fleet::{HostState, Snapshot, SNAPSHOT_VERSION};
 use kvroute_core::host::{HostError, MemorySharedData, SetError, SharedData, Tally};
 use kvroute_core::index::IndexCache;
 use kvroute_core::ingest::{self, FleetCache};
-use kvroute_core::load::{self, Charge};
+use kvroute_core::load::{self, Charge, LoadReport};
 use kvroute_core::picker::HostSet;
 use kvroute_core::usage::{self, Learned, PriorCache};
 use kvroute_core::{Config, Endpoint};
@@ -183,14 +183,16 @@ pub const ALL: &[&str] = &[
 /// is kvroute.
 pub const ORACLE_SHARED_LOAD: &str = "kvroute-oracle-shared-load";
 
-/// Not in [`ALL`]: kvroute whose modelled collector also reads every
-/// gateway's load table at each push and gives each gateway the sum of the
-/// *other* gateways' pending prefill per replica in its snapshot
+/// Not in [`ALL`]: kvroute with one collector for all K gateways, which
+/// reads every gateway's in-flight load at each push (the load report the
+/// ingest listener serves) and gives each gateway the sum of the *other*
+/// gateways' pending prefill per replica in its snapshot
 /// (`peerPendingTokens`, which the filter drains at `prefillTokensPerS`
-/// from the time it was read). kvroute-core reads the field; the real
-/// collector does not fill it yet (it reaches only its own gateway), so
-/// this is what that step would give (docs/fleet-state.md, "Several
-/// gateways: what the gap is"). At K = 1 it is kvroute.
+/// from the host's scrape time), as the real collector does when it pushes
+/// to several gateways (kvroute-collector, push.rs). The default layout,
+/// a collector per gateway, gets none of it; that is `kvroute`
+/// (docs/fleet-state.md, "Several gateways: what the gap is"). At K = 1 it
+/// is kvroute.
 pub const PEER_PENDING: &str = "kvroute-peer-pending";
 
 /// The key of a router's report name (`round-robin (modelled)` ->
@@ -273,7 +275,7 @@ pub fn build(name: &str, s: &Setup) -> Result<Box<dyn Router>, String> {
         PEER_PENDING => Box::new(Kvroute::new(s, false, true)?),
         other => {
             return Err(format!(
-                "unknown router {other:?}; known: {}, {PEER_PENDING} (needs a collector that reads the gateways), \
+                "unknown router {other:?}; known: {}, {PEER_PENDING} (one collector for all gateways), \
                  and {ORACLE_SHARED_LOAD} (an upper bound, not a router)",
                 ALL.join(", ")
             ))
@@ -476,17 +478,23 @@ impl Router for Kvroute {
     fn on_readings(&mut self, gw: usize, readings: &[Reading], taken_s: f64, now_s: f64) {
         self.seq += 1;
         let taken_ms = self.now_ms(taken_s);
-        // The other gateways' pending prefill per replica, read now.
+        // The other gateways' pending prefill per replica, as the real
+        // collector gets it: each gateway's load report (the ingest
+        // listener's answer), read at the push, summed by address.
         let peers: Option<Vec<u64>> = self.peer_pending.as_ref().map(|hosts| {
             let mut sum = vec![0u64; self.addresses.len()];
             for (i, g) in self.gateways.iter().enumerate() {
                 if i == gw {
                     continue;
                 }
-                let table = load::read(&g.store, &self.cfg.load_key);
-                for e in table.entries() {
-                    if let Some(slot) = hosts.index_of(e.host).and_then(|k| sum.get_mut(k)) {
-                        *slot = slot.saturating_add(e.prefill);
+                let report = LoadReport::of(&load::read(&g.store, &self.cfg.load_key), &[hosts]);
+                for h in &report.hosts {
+                    if let Some(slot) = self
+                        .by_address
+                        .get(&h.address)
+                        .and_then(|&k| sum.get_mut(k))
+                    {
+                        *slot = slot.saturating_add(h.prefill_pending_tokens);
                     }
                 }
             }
