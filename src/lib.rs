@@ -786,7 +786,10 @@ impl HttpContext for Stream {
         // them.
         let method = header(":method").unwrap_or_default();
         let path = header(":path").unwrap_or_default();
-        if matches!(path.split('?').next(), Some(INGEST_PATH | ingest::LOAD_PATH)) {
+        if matches!(
+            path.split('?').next(),
+            Some(INGEST_PATH | ingest::LOAD_PATH)
+        ) {
             // Snapshots are only taken, and the load only served, on the
             // loopback ingest listener.
             json_reply(404, Outcome::NotFound.body().as_deref());
