@@ -122,14 +122,7 @@ def padded_snapshot(stack: harness.Stack, size: int) -> bytes:
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(interval)
+    return harness.wait_for(predicate, timeout, what, every=interval)
 
 
 # ----------------------------------------------------------------- fixtures

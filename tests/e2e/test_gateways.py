@@ -64,13 +64,7 @@ def metric(stack: harness.Stack, name: str) -> float:
     return stack.envoy.kvroute_metrics().get(name, 0.0)
 
 
-def wait_until(pred, timeout: float, what: str, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+wait_until = harness.wait_for
 
 
 @pytest.fixture

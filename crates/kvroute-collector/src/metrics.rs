@@ -206,20 +206,13 @@ impl Metrics {
             "Engines reported ready.",
         );
         let _ = writeln!(out, "kvroute_collector_engines_ready {}", m.engines_ready);
-        header(
+        per_gateway(
             &mut out,
             "kvroute_collector_pushes_total",
-            "counter",
             "Snapshot pushes by gateway and HTTP status (or transport failure).",
+            "status",
+            &m.pushes,
         );
-        for ((gw, status), n) in &m.pushes {
-            let _ = writeln!(
-                out,
-                "kvroute_collector_pushes_total{{gateway=\"{}\",status=\"{}\"}} {n}",
-                esc(gw),
-                esc(status)
-            );
-        }
         m.push_seconds.render(
             &mut out,
             "kvroute_collector_push_duration_seconds",
@@ -239,20 +232,13 @@ impl Metrics {
                 *ms as f64 / 1000.0
             );
         }
-        header(
+        per_gateway(
             &mut out,
             "kvroute_collector_load_reads_total",
-            "counter",
             "Reads of a gateway's in-flight load by result.",
+            "result",
+            &m.load_reads,
         );
-        for ((gw, result), n) in &m.load_reads {
-            let _ = writeln!(
-                out,
-                "kvroute_collector_load_reads_total{{gateway=\"{}\",result=\"{}\"}} {n}",
-                esc(gw),
-                esc(result)
-            );
-        }
         header(
             &mut out,
             "kvroute_collector_snapshot_seq",
@@ -279,6 +265,25 @@ impl Metrics {
 
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// A counter keyed by gateway and one more label.
+fn per_gateway(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    label: &str,
+    values: &BTreeMap<(String, String), u64>,
+) {
+    header(out, name, "counter", help);
+    for ((gw, value), n) in values {
+        let _ = writeln!(
+            out,
+            "{name}{{gateway=\"{}\",{label}=\"{}\"}} {n}",
+            esc(gw),
+            esc(value)
+        );
+    }
 }
 
 /// Escapes a label value.

@@ -529,10 +529,10 @@ fn observed(
         let waiting = u64::from(st.waiting).saturating_mul(f.waiting_request_tokens);
         // The other gateways' pending prefill here, as the collector read
         // it, less what the replica has prefilled since at its rate.
-        let drained = (host.age_ms(view_age) as f64 * f.prefill_tokens_per_s / 1000.0) as u64;
-        let peer = st
-            .peer_pending_tokens
-            .map_or(0, |p| p.saturating_sub(drained));
+        let peer = st.peer_pending_tokens.map_or(0, |p| {
+            let age_s = host.age_ms(view_age) as f64 / 1000.0;
+            p.saturating_sub((age_s * f.prefill_tokens_per_s) as u64)
+        });
         let pending = waiting.max(gw.prefill.saturating_add(peer));
         // The engine's KV in use, plus what waits to be admitted (not in
         // its KV yet).
