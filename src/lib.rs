@@ -751,6 +751,9 @@ impl Stream {
 
     fn release(&mut self, prefill_only: bool) {
         let Some(charge) = self.pending else { return };
+        if prefill_only && charge.prefill == 0 {
+            return; // released already (every later body chunk comes here)
+        }
         let (now, later) = if prefill_only {
             (
                 Charge {
@@ -846,10 +849,14 @@ impl HttpContext for Stream {
         self.decide_buffered()
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        // First response byte: the prompt has been prefilled.
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.adopt();
-        self.release(true);
+        // Not yet the prefill's end: vLLM and SGLang send a stream's headers
+        // as soon as they take the request; its first body chunk comes with
+        // the first token (on_http_response_body).
+        if end_of_stream {
+            self.release(true);
+        }
         // A sample of the responses teaches the output-length prior, and
         // every answer to a decision that expected a prefix hit says how
         // much was cached (each read is host calls; see
@@ -884,6 +891,10 @@ impl HttpContext for Stream {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        // The first body byte: the prompt has been prefilled.
+        if body_size > 0 || end_of_stream {
+            self.release(true);
+        }
         if matches!(self.tracker, Tracker::Off) {
             return Action::Continue;
         }

@@ -21,6 +21,7 @@ may only confirm that choice. These tests check the behaviour, not timings:
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -32,7 +33,7 @@ import pytest
 
 import harness
 from harness import chat_body, filler, send
-from upstream import DELAY_HEADER
+from upstream import BODY_DELAY_HEADER, DELAY_HEADER
 
 CHAT = "/v1/chat/completions"
 TOKEN = "e2e-ingest-token-0123456789abcdef"
@@ -184,6 +185,36 @@ def gateway_load(gw: harness.Stack, token: str | None = TOKEN, method: str = "GE
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode("utf-8", "replace")
+
+
+def test_prefill_is_pending_until_the_first_body_byte(stack_factory, wasm_path):
+    """vLLM sends a stream's response headers as soon as it takes the
+    request and its first chunk with the first token. The gateway counts
+    the prompt as pending prefill until that first body byte, not until the
+    headers; the memory it holds until the end."""
+    gw = stack_factory(replicas=2, ingest_token=TOKEN)
+    # The load table lists the snapshot's replicas.
+    assert gw.push_fleet().status == 204
+    prompt = chat_body(user_text="long prompt " + filler("late", 40_000))
+    conn = http.client.HTTPConnection(harness.LOCALHOST, int(gw.gateway_url.rsplit(":", 1)[1]), timeout=20)
+    try:
+        conn.request("POST", CHAT, body=json.dumps(prompt),
+                     headers={"content-type": "application/json", BODY_DELAY_HEADER: "3000"})
+        resp = conn.getresponse()  # the headers: the body is 3 s away
+        assert resp.status == 200
+        served_by = resp.getheader("x-served-by")
+        status, load = gateway_load(gw)
+        assert status == 200, load
+        mine = [h for h in load["hosts"] if h["address"] == served_by]
+        assert mine and mine[0]["prefillPendingTokens"] >= 5000, (served_by, load)
+        assert mine[0]["memoryTokens"] >= mine[0]["prefillPendingTokens"], load
+        body = json.loads(resp.read())
+        assert body["served_by"] == served_by
+    finally:
+        conn.close()
+    # The body came: nothing pending; the stream is done: nothing held.
+    wait_until(lambda: all(h["prefillPendingTokens"] == 0 and h["memoryTokens"] == 0
+                           for h in gateway_load(gw)[1]["hosts"]), 5.0, "the load released")
 
 
 def test_one_collector_for_both_gateways_shares_their_pending_prefill(stack_factory, wasm_path, collector_binary):

@@ -15,7 +15,10 @@ there is none); a request for a model the replica does not serve is still
 answered 200 (this is a test double), with ``"model_served": false``, so tests
 can check where each model's requests went. A request with
 ``x-upstream-delay-ms: N`` is held for N milliseconds before the answer
-(capped at 60 s), which is how tests keep requests in flight.
+(capped at 60 s), which is how tests keep requests in flight. With
+``x-upstream-body-delay-ms: N`` the response headers go out at once and the
+body (chunked) N milliseconds later, as vLLM streams: its headers before
+the prefill, the first chunk with the first token.
 
 Three paths are the engine's own, as a scraper sees them (vLLM's names):
 
@@ -67,6 +70,7 @@ from typing import Any, Iterable
 HOST = "127.0.0.1"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DELAY_HEADER = "x-upstream-delay-ms"
+BODY_DELAY_HEADER = "x-upstream-body-delay-ms"
 MAX_DELAY_MS = 60_000
 # Refuse absurd uploads rather than eat the test machine's memory.
 MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -282,7 +286,11 @@ class ReplicaHandler(BaseHTTPRequestHandler):
                     "total_tokens": prompt + 1,
                     "prompt_tokens_details": {"cached_tokens": cached},
                 }
-            self._send(state["answer_status"], doc)
+            body_delay = self.headers.get(BODY_DELAY_HEADER)
+            if body_delay:
+                self._send_late(state["answer_status"], doc, body_delay)
+            else:
+                self._send(state["answer_status"], doc)
         finally:
             self.server.end_request()
 
@@ -299,6 +307,21 @@ class ReplicaHandler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, doc: dict) -> None:
         self._send_bytes(status, json.dumps(doc).encode(), "application/json")
+
+    def _send_late(self, status: int, doc: dict, delay_ms: str) -> None:
+        """Headers now, the body as one chunk after delay_ms."""
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("x-served-by", self.server.replica)
+        self.end_headers()
+        self.wfile.flush()
+        try:
+            time.sleep(min(max(int(delay_ms), 0), MAX_DELAY_MS) / 1000.0)
+        except ValueError:
+            pass
+        payload = json.dumps(doc).encode()
+        self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
 
     def _send_text(self, status: int, text: str) -> None:
         self._send_bytes(status, text.encode(), "text/plain; version=0.0.4; charset=utf-8")

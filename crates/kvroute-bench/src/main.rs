@@ -212,10 +212,11 @@ struct SimulateArgs {
     /// How requests are spread over the gateways.
     #[arg(long, value_enum, default_value = "request")]
     spread: SpreadArg,
-    /// kvroute sees the response's first byte when the engine admits the
-    /// request (as kvroute-sim's server sends its stream headers), not with
-    /// the first token: it then releases the prompt part of the charge at
-    /// once. Use it to compare with the real-time bench.
+    /// kvroute releases the prompt part of its charge when the engine
+    /// admits the request, not with the first token: what the filter did
+    /// while it released at the response headers (vLLM and kvroute-sim
+    /// send a stream's headers on admission). Reproduces measurements made
+    /// before it waited for the first body byte.
     #[arg(long)]
     headers_at_submit: bool,
     /// Envoy worker threads per gateway (kvroute: shared data per gateway,

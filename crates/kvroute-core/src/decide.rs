@@ -46,7 +46,9 @@
 //!
 //! A decision charges its primary twice ([`crate::load`]): the prefill it
 //! expects there (the prompt less what the prefix index says is cached),
-//! released at the first response byte, and the KV memory it will hold
+//! released at the first response body byte (the first token; not the
+//! headers, which vLLM and SGLang send a stream as soon as they take the
+//! request), and the KV memory it will hold
 //! ([`Facts::memory`]: the prompt and half the expected output), released
 //! at the end of the stream.
 //!

@@ -220,10 +220,10 @@ pub struct Setup {
     /// kvroute's gateway clock runs this many times slower than modelled
     /// time (1: production).
     pub gateway_clock_scale: f64,
-    /// When the response's first byte reaches kvroute (it then releases the
-    /// prompt part of the charge): with the first token, or at once, as
-    /// kvroute-sim's engine server sends its stream's headers and role
-    /// chunk on admission, before any token.
+    /// When kvroute releases the prompt part of the charge: with the first
+    /// token (the first response body byte, as the filter does), or at
+    /// admission (as the filter did while it released at the response
+    /// headers, which vLLM and kvroute-sim send on admission).
     pub headers_at_submit: bool,
 }
 

@@ -1197,18 +1197,21 @@ fn completion(
         let data = format!("data: {v}\n\n");
         write_chunk(out, data.as_bytes());
     };
-    if chat {
-        event(
-            &mut out,
-            &json!({"id": id, "object": chunk_object, "created": created, "model": ask.model,
-                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": null, "finish_reason": null}]}),
-        );
-    }
+    // The headers go out now, as vLLM's do; the role chunk (chat) goes with
+    // the first token, as vLLM sends it once the engine has produced one.
     conn.stream.write_all(&out)?;
+    let mut role = chat;
     loop {
         let first = rx.recv().map_err(|_| io::Error::other("engine stopped"))?;
         out.clear();
+        if std::mem::take(&mut role) {
+            event(
+                &mut out,
+                &json!({"id": id, "object": chunk_object, "created": created, "model": ask.model,
+                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": null, "finish_reason": null}]}),
+            );
+        }
         let mut finished = None;
         // One event per token; tokens already waiting go out in one write.
         for msg in std::iter::once(first).chain(rx.try_iter()) {
