@@ -25,10 +25,18 @@ Routers (--routers, comma-separated, in this order by default):
   kvroute               Envoy + the kvroute filter + kvroute-collector (fleet state)
 With --gateways K[,K...], every router runs as K independent instances
 (kvroute: K Envoys, each with its own shared data and its own collector, the
-sidecar layout of the shipped manifests; Envoy's policies: K Envoys; the
-peers: K processes) behind one front Envoy that spreads each request round
+sidecar layout of the shipped manifests, or with --collector shared one
+collector pushing to all K, which then also carries each gateway's pending
+prefill to the others; Envoy's policies: K Envoys; the peers: K processes)
+behind one front Envoy that spreads each request round
 robin over them, as a Kubernetes Service would (no retries at the front).
 The same front stands in front of K = 1, so every figure pays the same hop.
+
+The gateway runs on wall time and the fleet on modelled time, time scale
+times faster. kvroute's knobs in seconds and tokens per second are therefore
+scaled so that they mean the same modelled quantity (TIME_KNOBS): its cost
+order is unchanged, and the other gateways' pending prefill drains at the
+engines' real pace.
 The report's "conversation split" column is the share of each session's
 requests served by its most frequent engine.
 
@@ -102,6 +110,7 @@ class Fleet:
             "--time-scale", str(time_scale), "--seed", str(seed), "--model", MODEL, *extra,
         ]
         self.engines = engines
+        self.time_scale = time_scale
         self.log_path = workdir / "sim.log"
         self.proc: subprocess.Popen | None = None
         self.addresses: list[str] = []
@@ -215,6 +224,8 @@ class Router:
     procs: list = field(default_factory=list)
     envoy: harness.Envoy | None = None
     collector: harness.Collector | None = None
+    ingest_url: str = ""
+    ingest_token: str = ""
 
     def stop(self) -> None:
         if self.collector is not None:
@@ -265,21 +276,54 @@ def envoy_plain(name: str, fleet: Fleet, workdir: Path, local: bool = False) -> 
     return Router(name=name, setup=setup, url=envoy.gateway_url, envoy=envoy)
 
 
+# kvroute's fleet knobs that are rates or durations of the engines' work,
+# at their defaults (crates/kvroute-core/src/config.rs, `defaults`), and how
+# each scales with the time scale s: a rate in modelled tokens per second is
+# s times as many per wall second; a cost or a wait in modelled seconds is
+# 1/s of a wall second. Ratios between them, hence every decision, stay.
+TIME_KNOBS = {
+    ("fleet", "prefillTokensPerS"): (30_000, 1),
+    ("fleet", "memorySeconds"): (1.0, -1),
+    ("fleet", "costQuantumMs"): (2.0, -1),
+    ("admission", "maxPendingS"): (1.0, -1),
+}
+
+
+def time_scaled(overrides: dict | None, time_scale: float) -> dict:
+    """The plugin overrides with TIME_KNOBS scaled to the fleet's time scale
+    (a knob the overrides set is taken as modelled and scaled the same way)."""
+    out = copy.deepcopy(overrides or {})
+    for (section, key), (default, power) in TIME_KNOBS.items():
+        value = out.get(section, {}).get(key, default)
+        scaled = value * time_scale ** power
+        out.setdefault(section, {})[key] = round(scaled) if key == "prefillTokensPerS" else scaled
+    return out
+
+
 def kvroute_router(fleet: Fleet, workdir: Path, collector_ms: int, local: bool = False,
-                   name: str = "kvroute", overrides: dict | None = None, instance: int = 0) -> Router:
+                   name: str = "kvroute", overrides: dict | None = None, instance: int = 0,
+                   with_collector: bool = True) -> Router:
+    """Envoy + kvroute in front of the fleet; with its own collector unless
+    with_collector is false (the caller then starts one for several)."""
     gw, admin, ingest = router_ports(local)
-    plugin = harness.plugin_config_for(fleet.addresses, {"explainHeader": False, **(overrides or {})})
+    plugin = harness.plugin_config_for(fleet.addresses,
+                                       {"explainHeader": False, **time_scaled(overrides, fleet.time_scale)})
     cfg = harness.build_envoy_config(gateway_port=gw, admin_port=admin, endpoints=fleet.addresses,
                                      plugin_config=plugin, ingest_port=ingest)
     envoy = harness.Envoy(cfg, workdir, concurrency=2, log_level="warning").start()
     token = harness.embedded_ingest_config(cfg)["ingest"]["token"]
-    collector = harness.Collector(engines=fleet.addresses, gateways=[f"http://127.0.0.1:{ingest}"], token=token,
-                                  workdir=workdir, interval_ms=collector_ms, collector_id=f"kvroute-bench-{instance}",
-                                  metrics_port=LOCAL["collector"] if local else None, log_level="warn").start()
+    ingest_url = f"http://127.0.0.1:{ingest}"
+    collector = None
+    if with_collector:
+        collector = harness.Collector(engines=fleet.addresses, gateways=[ingest_url], token=token,
+                                      workdir=workdir, interval_ms=collector_ms,
+                                      collector_id=f"kvroute-bench-{instance}",
+                                      metrics_port=LOCAL["collector"] if local else None, log_level="warn").start()
     settings = f"plugin config overrides {json.dumps(overrides)}" if overrides else "plugin defaults"
-    setup = (f"Envoy 1.40 + kvroute ({settings}; fleet state from kvroute-collector scraping every "
-             f"{collector_ms} ms real time)")
-    return Router(name=name, setup=setup, url=envoy.gateway_url, envoy=envoy, collector=collector)
+    setup = (f"Envoy 1.40 + kvroute ({settings}, rates and durations scaled to the time scale; fleet state from "
+             f"kvroute-collector scraping every {collector_ms} ms real time)")
+    return Router(name=name, setup=setup, url=envoy.gateway_url, envoy=envoy, collector=collector,
+                  ingest_url=ingest_url, ingest_token=token)
 
 
 def peer_binary(name: str) -> Path | None:
@@ -323,14 +367,17 @@ def peer_router(name: str, fleet: Fleet, workdir: Path) -> Router:
     return router
 
 
-def start_router(name: str, fleet: Fleet, workdir: Path, args, instance: int = 0) -> Router:
+def is_kvroute(name: str, args) -> bool:
+    return name == "kvroute" or name in args.variants
+
+
+def start_router(name: str, fleet: Fleet, workdir: Path, args, instance: int = 0,
+                 with_collector: bool = True) -> Router:
     if name.startswith("envoy-"):
         return envoy_plain(name, fleet, workdir, args.local_stack)
-    if name == "kvroute":
-        return kvroute_router(fleet, workdir, args.collector_ms, args.local_stack, instance=instance)
-    if name in args.variants:
-        return kvroute_router(fleet, workdir, args.collector_ms, args.local_stack, name, args.variants[name],
-                              instance=instance)
+    if is_kvroute(name, args):
+        return kvroute_router(fleet, workdir, args.collector_ms, args.local_stack, name, args.variants.get(name),
+                              instance=instance, with_collector=with_collector)
     return peer_router(name, fleet, workdir)
 
 
@@ -369,10 +416,13 @@ class Deployment:
     setup: str
     instances: list[Router]
     front: harness.Envoy | None = None
+    collector: harness.Collector | None = None
 
     def stop(self) -> None:
         if self.front is not None:
             self.front.stop()
+        if self.collector is not None:
+            self.collector.stop()
         for r in self.instances:
             r.stop()
 
@@ -382,22 +432,35 @@ def deploy(name: str, fleet: Fleet, workdir: Path, args, gateways: int | None) -
         r = start_router(name, fleet, workdir, args)
         return Deployment(url=r.url, setup=r.setup, instances=[r])
     instances: list[Router] = []
+    shared = args.collector == "shared" and is_kvroute(name, args)
+    collector = None
     try:
         for i in range(gateways):
             wd = workdir / f"gateway-{i}"
             wd.mkdir(parents=True, exist_ok=True)
-            instances.append(start_router(name, fleet, wd, args, instance=i))
+            instances.append(start_router(name, fleet, wd, args, instance=i, with_collector=not shared))
+        if shared:
+            collector = harness.Collector(
+                engines=fleet.addresses, gateways=[r.ingest_url for r in instances],
+                token=instances[0].ingest_token, workdir=workdir / "collector", interval_ms=args.collector_ms,
+                collector_id="kvroute-bench-shared", log_level="warn").start()
         for r in instances:
             if r.procs:
                 wait_workers(r.url, len(fleet.addresses), name)
         front = front_envoy(instances, workdir / "front")
     except BaseException:
+        if collector is not None:
+            collector.stop()
         for r in instances:
             r.stop()
         raise
+    each = instances[0].setup
+    if shared:
+        each = each.replace("fleet state from kvroute-collector",
+                            f"fleet state from one kvroute-collector for all {gateways} (with their pending prefill)")
     setup = (f"{gateways} independent instance(s) behind a round-robin front Envoy (per request, no retries); "
-             f"each: {instances[0].setup}")
-    return Deployment(url=front.gateway_url, setup=setup, instances=instances, front=front)
+             f"each: {each}")
+    return Deployment(url=front.gateway_url, setup=setup, instances=instances, front=front, collector=collector)
 
 
 # ------------------------------------------------------------------ main
@@ -446,6 +509,9 @@ def parse_args(argv):
     p.add_argument("--gateways", default=None, metavar="K[,K...]",
                    help="run K independent instances of every router behind a round-robin front Envoy "
                         "(like a Service), once per K, e.g. 1,3; without it each router runs once, no front")
+    p.add_argument("--collector", choices=["sidecar", "shared"], default="sidecar",
+                   help="with --gateways: kvroute's K instances each with its own collector (sidecar, the "
+                        "shipped manifests' layout) or one collector for all of them (shared)")
     p.add_argument("--local-stack", action="store_true",
                    help="use the local stack's fixed ports (engines 8001.., gateway 10000, admin 9901, "
                         "ingest 10001, collector metrics 9102) instead of free ones")

@@ -118,6 +118,7 @@ def test_there_are_manifests():
         "envoy-config/istio/kvroute-envoyfilter.yaml",
         "envoy-config/istio/gateway.yaml",
         "envoy-config/istio/wasmplugin-example.yaml",
+        "envoy-config/istio/shared-collector.yaml",
         "envoy-config/envoy-gateway/gateway.yaml",
         "envoy-config/envoy-gateway/kvroute-policies.yaml",
     } <= names, names
@@ -464,6 +465,44 @@ def test_istio_consistency():
     _check_collector_wiring(dep["spec"]["template"]["spec"], ic, ingest_listener, "inference")
 
 
+def test_istio_shared_collector_consistency():
+    """shared-collector.yaml: one collector for every gateway pod, through a
+    headless Service over their ingest port; only it may reach that port."""
+    cfg = istio_bootstrap(Path("/nonexistent.wasm"))
+    _, ingest_listener = cfg["static_resources"]["listeners"]
+    ingest_port = ingest_listener["address"]["socket_address"]["port_value"]
+    ic = json.loads(istio_extension_configs(None)["kvroute-ingest"]["config"]["configuration"]["value"])
+    gateway_pods = find("Deployment", "kvroute-gateway")["spec"]["template"]["metadata"]["labels"]
+    svc = find("Service", "kvroute-gateway-ingest")
+    assert svc["spec"]["clusterIP"] == "None", "headless: one address per gateway pod"
+    assert svc["spec"]["selector"].items() <= gateway_pods.items()
+    assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(ingest_port, ingest_port)]
+    # The collector's ConfigMap names that Service, and its pod reads it.
+    collector = find("Deployment", "kvroute-collector")
+    pod = collector["spec"]["template"]["spec"]
+    _check_collector_wiring(pod, ic, None, "inference")
+    cm = find("ConfigMap", "kvroute-collector-shared")
+    toml = tomllib.loads(cm["data"]["collector.toml"])
+    assert "gateways" not in toml
+    ns = svc["metadata"]["namespace"]
+    assert toml["gateway-service"] == [f"http://{svc['metadata']['name']}.{ns}.svc.cluster.local:{ingest_port}"]
+    # Only the collector's pods reach the ingest port; the gateway port is open.
+    netpol = find("NetworkPolicy", "kvroute-gateway-ingest")["spec"]
+    assert netpol["podSelector"]["matchLabels"].items() <= gateway_pods.items()
+    assert netpol["policyTypes"] == ["Ingress"]
+    collector_pods = collector["spec"]["template"]["metadata"]["labels"]
+    for rule in netpol["ingress"]:
+        ports = {p["port"] for p in rule["ports"]}
+        if ingest_port in ports:
+            assert ports == {ingest_port}
+            assert [f["podSelector"]["matchLabels"] for f in rule["from"]] == [collector_pods]
+        else:
+            assert "from" not in rule
+    open_ports = {p["port"] for r in netpol["ingress"] if "from" not in r for p in r["ports"]}
+    gateway_port = cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+    assert gateway_port in open_ports and ingest_port not in open_ports
+
+
 def _check_collector_wiring(pod: dict, ingest_cfg: dict, ingest_listener_or_addr, namespace: str) -> None:
     """The sidecar reads its ConfigMap, its token from the Secret, and pushes to the ingest listener."""
     c = next(c for c in pod["containers"] if c["name"] == "kvroute-collector")
@@ -717,12 +756,16 @@ def test_envoy_gateway_patches_do_what_they_say():
 # ================================================ 3. the collector takes its ConfigMaps
 
 
-@pytest.mark.parametrize("namespace", ["inference", "envoy-gateway-system"])
-def test_collector_accepts_its_configmap(namespace, collector_binary, tmp_path: Path):
+@pytest.mark.parametrize("namespace,name", [("inference", "kvroute-collector"),
+                                            ("inference", "kvroute-collector-shared"),
+                                            ("envoy-gateway-system", "kvroute-collector")])
+def test_collector_accepts_its_configmap(namespace, name, collector_binary, tmp_path: Path):
     """The ConfigMap's TOML, with its token file, is a valid collector config:
-    the real collector reads it (unknown keys would exit 2) and scrapes once.
-    Flags override the engines (no cluster DNS here) and the metrics address."""
-    cm = next(d for _, d in all_docs() if d["kind"] == "ConfigMap" and d["metadata"]["namespace"] == namespace)
+    the real collector reads it (unknown keys would exit 2; its gateways are
+    checked) and scrapes once. Flags override the engines (no cluster DNS
+    here) and the metrics address."""
+    cm = next(d for _, d in all_docs() if d["kind"] == "ConfigMap" and d["metadata"]["namespace"] == namespace
+              and d["metadata"]["name"] == name)
     secret = next(d for _, d in all_docs() if d["kind"] == "Secret" and d["metadata"]["namespace"] == namespace)
     toml_text = cm["data"]["collector.toml"]
     conf = tomllib.loads(toml_text)

@@ -1,10 +1,17 @@
 //! The collector loop: engine set from discovery, one worker per engine,
 //! the fleet state, and the snapshots handed to the pushers.
 //!
-//! Threads: discovery (only when names need resolving), one scrape worker per
-//! engine, one pusher per gateway, the metrics endpoint, and this loop, which
-//! alone owns the fleet state (workers send it [`Event`]s; no shared locks on
-//! the hot path).
+//! Threads: discovery (only when engine names need resolving), gateway
+//! discovery (only with `--gateway-service`), one scrape worker per engine,
+//! one pusher per gateway, the metrics endpoint, and this loop, which alone
+//! owns the fleet state and the pushers (the others send it [`Event`]s; no
+//! shared locks on the hot path).
+//!
+//! Gateways are the configured addresses plus every address each gateway
+//! service resolves to. A gateway that appears gets a pusher at once (and
+//! the next snapshot); one that goes away has its pusher stopped and its
+//! load and metrics dropped. With two gateways possible or more, every
+//! pusher shares one load board (push.rs).
 //!
 //! When a snapshot is built:
 //!
@@ -19,19 +26,19 @@
 //! and across restarts as long as the clock does not step back by more than
 //! the restart took.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use kvroute_core::fleet::{HostState, Snapshot, MAX_HOSTS, SNAPSHOT_VERSION};
 use log::{error, info, warn};
 
-use crate::config::Settings;
-use crate::discovery::{self, Discovery, Resolver};
+use crate::config::{Gateway, Settings};
+use crate::discovery::{self, Discovery, DnsDiscovery, Resolver};
 use crate::engines::EngineMetrics;
 use crate::metrics::{Metrics, MetricsServer};
 use crate::now_ms;
@@ -43,6 +50,8 @@ use crate::scrape::{self, Report, Scrape, Worker};
 pub enum Event {
     /// The current engine set, from discovery.
     Engines(Vec<SocketAddr>),
+    /// The gateways the gateway services resolve to now.
+    Gateways(Vec<Gateway>),
     /// One scrape's outcome, from an engine worker.
     Scraped(Box<Report>),
 }
@@ -228,30 +237,75 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
         .token
         .clone()
         .ok_or_else(|| StartError("no ingest token".into()))?;
-    let mut pushers = Vec::new();
     // With several gateways, each one's snapshot carries the others'
     // pending prefill (push.rs).
-    let board =
-        (settings.gateways.len() > 1).then(|| Arc::new(LoadBoard::new(settings.gateways.len())));
-    for (index, gw) in settings.gateways.iter().enumerate() {
-        let peers = board.as_ref().map(|b| Peers {
-            board: Arc::clone(b),
-            index,
-        });
-        let p = Pusher::spawn(
-            gw.clone(),
-            token.clone(),
-            settings.push_timeout,
-            Arc::clone(&metrics),
-            peers,
-        )
-        .map_err(|e| StartError(format!("cannot start a push thread: {e}")))?;
-        pushers.push(p);
+    let board = (settings.gateways.len() > 1 || !settings.gateway_services.is_empty())
+        .then(|| Arc::new(LoadBoard::new()));
+    let mut pushers = Pushers {
+        map: BTreeMap::new(),
+        token,
+        timeout: settings.push_timeout,
+        metrics: Arc::clone(&metrics),
+        board,
+    };
+    for gw in &settings.gateways {
+        pushers
+            .add(gw.clone())
+            .map_err(|e| StartError(format!("cannot start a push thread: {e}")))?;
     }
+    // Engine and gateway discovery share the resolver.
+    let resolver = Arc::new(Mutex::new(resolver));
+    let shared = |r: &Arc<Mutex<Resolver>>| -> Resolver {
+        let r = Arc::clone(r);
+        Box::new(move |host, port| (r.lock().unwrap_or_else(|p| p.into_inner()))(host, port))
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel();
-    let (mut disco, dynamic) =
-        discovery::for_targets(&settings.engines, resolver, Some(Arc::clone(&metrics)));
+    let gateway_thread = if settings.gateway_services.is_empty() {
+        None
+    } else {
+        let mut services: Vec<_> = settings
+            .gateway_services
+            .iter()
+            .map(|svc| {
+                let d = DnsDiscovery::new(
+                    vec![(svc.host.clone(), svc.port)],
+                    shared(&resolver),
+                    Some(Arc::clone(&metrics)),
+                )
+                .naming("gateway");
+                (svc.clone(), d)
+            })
+            .collect();
+        let look = move || -> Vec<Gateway> {
+            let mut out: Vec<Gateway> = Vec::new();
+            for (svc, d) in &mut services {
+                for addr in d.engines() {
+                    let gw = svc.gateway(addr);
+                    if !out.contains(&gw) {
+                        out.push(gw);
+                    }
+                }
+            }
+            out
+        };
+        let tx = tx.clone();
+        let stop = Arc::clone(&stop);
+        let every = settings.dns_refresh;
+        Some(
+            thread::Builder::new()
+                .name("gateway discovery".into())
+                .spawn(move || discovery_loop(look, Event::Gateways, &tx, &stop, every))
+                .map_err(|e| {
+                    StartError(format!("cannot start the gateway discovery thread: {e}"))
+                })?,
+        )
+    };
+    let (mut disco, dynamic) = discovery::for_targets(
+        &settings.engines,
+        shared(&resolver),
+        Some(Arc::clone(&metrics)),
+    );
     let discovery_thread = if dynamic {
         let tx = tx.clone();
         let stop = Arc::clone(&stop);
@@ -259,7 +313,9 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
         Some(
             thread::Builder::new()
                 .name("discovery".into())
-                .spawn(move || discovery_loop(&mut disco, &tx, &stop, every))
+                .spawn(move || {
+                    discovery_loop(move || disco.engines(), Event::Engines, &tx, &stop, every)
+                })
                 .map_err(|e| StartError(format!("cannot start the discovery thread: {e}")))?,
         )
     } else {
@@ -279,13 +335,14 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
                 workers: BTreeMap::new(),
                 seq: SeqGen::default(),
                 pushers,
+                latest: None,
                 first_engines_at: None,
                 pushed_once: false,
                 warned_too_many: false,
             };
             state.run(&rx, &loop_stop);
             state.shutdown();
-            if let Some(d) = discovery_thread {
+            for d in [discovery_thread, gateway_thread].into_iter().flatten() {
                 let _ = d.join();
             }
         })
@@ -298,15 +355,22 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
     })
 }
 
-fn discovery_loop(d: &mut dyn Discovery, tx: &Sender<Event>, stop: &AtomicBool, every: Duration) {
-    let mut last: Option<Vec<SocketAddr>> = None;
+/// Looks every `every` and sends what it finds when it changed.
+fn discovery_loop<T: PartialEq + Clone>(
+    mut look: impl FnMut() -> T,
+    event: fn(T) -> Event,
+    tx: &Sender<Event>,
+    stop: &AtomicBool,
+    every: Duration,
+) {
+    let mut last: Option<T> = None;
     loop {
-        let engines = d.engines();
-        if last.as_ref() != Some(&engines) {
-            if tx.send(Event::Engines(engines.clone())).is_err() {
+        let found = look();
+        if last.as_ref() != Some(&found) {
+            if tx.send(event(found.clone())).is_err() {
                 return;
             }
-            last = Some(engines);
+            last = Some(found);
         }
         let until = Instant::now() + every;
         while Instant::now() < until {
@@ -327,7 +391,9 @@ struct Loop {
     engines: BTreeMap<SocketAddr, EngineState>,
     workers: BTreeMap<SocketAddr, Worker>,
     seq: SeqGen,
-    pushers: Vec<Pusher>,
+    pushers: Pushers,
+    /// The newest snapshot, for a gateway that appears between pushes.
+    latest: Option<Payload>,
     first_engines_at: Option<Instant>,
     pushed_once: bool,
     warned_too_many: bool,
@@ -385,6 +451,11 @@ impl Loop {
     fn handle(&mut self, ev: Event) -> bool {
         match ev {
             Event::Engines(list) => self.set_engines(list),
+            Event::Gateways(list) => {
+                let fixed = self.settings.gateways.iter().cloned();
+                self.pushers.set(fixed.chain(list), self.latest.as_ref());
+                false
+            }
             Event::Scraped(report) => {
                 let s = &report.scrape;
                 let key = s.addr.to_string();
@@ -467,9 +538,10 @@ impl Loop {
             body: Arc::new(snap.to_json()),
             snapshot: Arc::new(snap),
         };
-        for p in &self.pushers {
+        for p in self.pushers.map.values() {
             p.offer(payload.clone());
         }
+        self.latest = Some(payload);
         self.pushed_once = true;
     }
 
@@ -480,11 +552,81 @@ impl Loop {
         for w in &mut workers {
             w.stop();
         }
-        for p in self.pushers.drain(..) {
+        for p in std::mem::take(&mut self.pushers.map).into_values() {
             p.join();
         }
         for w in workers {
             w.join();
+        }
+    }
+}
+
+/// The pushers by gateway base URL, and what a new one needs.
+struct Pushers {
+    map: BTreeMap<String, Pusher>,
+    token: crate::config::Secret,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+    board: Option<Arc<LoadBoard>>,
+}
+
+impl Pushers {
+    fn add(&mut self, gw: Gateway) -> std::io::Result<()> {
+        if self.map.contains_key(&gw.base) {
+            return Ok(());
+        }
+        let base = gw.base.clone();
+        let peers = self.board.as_ref().map(|b| Peers {
+            board: Arc::clone(b),
+        });
+        let p = Pusher::spawn(
+            gw,
+            self.token.clone(),
+            self.timeout,
+            Arc::clone(&self.metrics),
+            peers,
+        )?;
+        self.map.insert(base, p);
+        self.metrics.gateways(self.map.len());
+        Ok(())
+    }
+
+    /// Makes the pushers those of `wanted`: new gateways get a pusher (and
+    /// `latest`, if any), gone ones lose theirs (which then drops their
+    /// metric series).
+    fn set(&mut self, wanted: impl IntoIterator<Item = Gateway>, latest: Option<&Payload>) {
+        let wanted: Vec<Gateway> = wanted.into_iter().collect();
+        let keep: BTreeSet<&str> = wanted.iter().map(|g| g.base.as_str()).collect();
+        let gone: Vec<String> = self
+            .map
+            .keys()
+            .filter(|b| !keep.contains(b.as_str()))
+            .cloned()
+            .collect();
+        for base in gone {
+            if let Some(p) = self.map.remove(&base) {
+                p.stop();
+            }
+            if let Some(b) = &self.board {
+                b.leave(&base);
+            }
+            self.metrics.gateways(self.map.len());
+            info!("gateway {base}: removed");
+        }
+        for gw in wanted {
+            if self.map.contains_key(&gw.base) {
+                continue;
+            }
+            let base = gw.base.clone();
+            match self.add(gw) {
+                Ok(()) => {
+                    info!("gateway {base}: added");
+                    if let (Some(p), Some(payload)) = (self.map.get(&base), latest) {
+                        p.offer(payload.clone());
+                    }
+                }
+                Err(e) => error!("gateway {base}: cannot start a push thread: {e}"),
+            }
         }
     }
 }

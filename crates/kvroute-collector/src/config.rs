@@ -10,7 +10,8 @@
 //! | file key | flag | default | meaning |
 //! |---|---|---|---|
 //! | `engines` | `--engines` (`--engine`) | (required) | `host:port` of each engine; names are re-resolved every `dns-refresh` |
-//! | `gateways` | `--gateways` (`--gateway`) | (required) | ingest base URLs, e.g. `http://127.0.0.1:10001`; the snapshot goes to `<url>/v1/fleet/snapshot` |
+//! | `gateways` | `--gateways` (`--gateway`) | (this or `gateway-service`) | ingest base URLs, e.g. `http://127.0.0.1:10001`; the snapshot goes to `<url>/v1/fleet/snapshot` |
+//! | `gateway-service` | `--gateway-service` | | ingest base URLs whose host name stands for every gateway replica, e.g. a Kubernetes headless Service over the gateway pods' ingest port (`http://kvroute-gateway-ingest.ns.svc.cluster.local:10001`): each address the name resolves to is one gateway, re-resolved every `dns-refresh` |
 //! | `token` | `--token` | | ingest bearer token (a flag is visible in `ps`; prefer the file or the environment) |
 //! | `token-file` | `--token-file` | | file holding the token (surrounding whitespace ignored) |
 //! | | env `KVROUTE_INGEST_TOKEN` | | the token |
@@ -19,10 +20,10 @@
 //! | `timeout` | `--timeout` | `200ms` | timeout of each request towards an engine (`/health`, then `/metrics`), applied to each phase: connect, send, response headers, body |
 //! | `max-backoff` | `--max-backoff` | `5s` | cap of the exponential backoff for failing engines |
 //! | `push-timeout` | `--push-timeout` | `1s` | per-push timeout towards a gateway |
-//! | `dns-refresh` | `--dns-refresh` | `10s` | how often engine names are resolved again |
+//! | `dns-refresh` | `--dns-refresh` | `10s` | how often engine names and gateway services are resolved again |
 //! | `collector-id` | `--collector-id` | host name | the snapshot's `collector` |
 //! | `metrics-addr` | `--metrics-addr` | `127.0.0.1:9102` | own metrics endpoint, or `off` |
-//! | | `--once` | | scrape once, print the snapshot JSON, exit (no gateway or token needed) |
+//! | | `--once` | | scrape once, print the snapshot JSON, exit (no gateway or token needed; gateways given are checked) |
 //!
 //! Token precedence: `--token`, `--token-file`, `KVROUTE_INGEST_TOKEN`, then
 //! the file's `token` or `token-file`. Durations are written `250ms`, `2s`,
@@ -75,6 +76,10 @@ pub struct Cli {
         value_delimiter = ','
     )]
     pub gateways: Vec<String>,
+    /// Gateway ingest URLs whose host name resolves to one address per
+    /// gateway replica (a headless Service): each address is one gateway.
+    #[arg(long, value_name = "URL", value_delimiter = ',')]
+    pub gateway_service: Vec<String>,
     /// Ingest bearer token (visible to `ps`: prefer --token-file or KVROUTE_INGEST_TOKEN).
     #[arg(long, value_name = "TOKEN", hide_default_value = true)]
     pub token: Option<String>,
@@ -96,7 +101,7 @@ pub struct Cli {
     /// Per-push gateway timeout [default: 1s].
     #[arg(long, value_name = "DURATION")]
     pub push_timeout: Option<String>,
-    /// DNS re-resolution interval for engine names [default: 10s].
+    /// DNS re-resolution interval for engine names and gateway services [default: 10s].
     #[arg(long, value_name = "DURATION")]
     pub dns_refresh: Option<String>,
     /// Collector identity in snapshots [default: the host name].
@@ -116,6 +121,7 @@ pub struct Cli {
 struct FileConfig {
     engines: Option<Vec<String>>,
     gateways: Option<Vec<String>>,
+    gateway_service: Option<Vec<String>>,
     token: Option<String>,
     token_file: Option<PathBuf>,
     interval: Option<Dur>,
@@ -248,12 +254,63 @@ impl Gateway {
     }
 }
 
+/// Gateways behind one name: every address it resolves to is one gateway
+/// replica, reached at the same port and path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GatewayService {
+    /// As configured (trailing `/` removed), for logs.
+    pub base: String,
+    pub host: String,
+    pub port: u16,
+    /// What follows the authority in the URL (often empty).
+    path: String,
+}
+
+impl GatewayService {
+    pub fn parse(s: &str) -> Result<GatewayService, String> {
+        let gw = Gateway::parse(s)?;
+        let rest = gw.base.strip_prefix("http://").unwrap_or(&gw.base);
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, path) = rest.split_at(end);
+        let with_port = if authority.contains(':') {
+            authority.to_owned()
+        } else {
+            format!("{authority}:80")
+        };
+        match Target::parse(&with_port)? {
+            Target::Name { host, port } => Ok(GatewayService {
+                base: gw.base.clone(),
+                host,
+                port,
+                path: path.to_owned(),
+            }),
+            Target::Addr(_) => Err(
+                "a service is a host name that resolves to the gateway replicas; give an address in --gateways"
+                    .into(),
+            ),
+        }
+    }
+
+    /// The gateway at one of the addresses the name resolved to.
+    pub fn gateway(&self, addr: SocketAddr) -> Gateway {
+        let root = format!("http://{addr}{}", self.path);
+        let root = root.strip_suffix(INGEST_PATH).unwrap_or(&root).to_owned();
+        Gateway {
+            base: root.clone(),
+            push_url: format!("{root}{INGEST_PATH}"),
+            load_url: format!("{root}{LOAD_PATH}"),
+        }
+    }
+}
+
 /// Validated, immutable settings.
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub engines: Vec<Target>,
-    /// Empty only with `once`.
+    /// Gateways by address; with `gateway_services`, may be empty.
     pub gateways: Vec<Gateway>,
+    /// Gateways by a name that resolves to each of them.
+    pub gateway_services: Vec<GatewayService>,
     /// `None` only with `once`.
     pub token: Option<Secret>,
     pub interval: Duration,
@@ -274,6 +331,7 @@ impl Settings {
         Settings {
             engines,
             gateways,
+            gateway_services: Vec::new(),
             token: token.map(|t| Secret(t.to_owned())),
             interval: Duration::from_millis(250),
             push_interval: Duration::from_millis(250),
@@ -358,27 +416,51 @@ impl Settings {
             }
         }
 
-        // Gateways and token: not needed to print one snapshot.
+        // Gateways and token: not needed to print one snapshot (gateways
+        // given are still checked).
         let mut gateways = Vec::new();
+        let mut gateway_services = Vec::new();
         let mut token = None;
-        if !cli.once {
+        {
             let gateways_from = pick(
                 (!cli.gateways.is_empty()).then(|| cli.gateways.clone()),
                 file.gateways.clone().filter(|g| !g.is_empty()),
                 path,
             );
-            let Some((raw, from)) = gateways_from else {
-                return Err(err("no gateways: give --gateways http://127.0.0.1:10001 or gateways = [\"http://...\"] in the config file (or --once to print one snapshot)".into()));
-            };
-            for (i, g) in raw.iter().enumerate() {
-                let gw = Gateway::parse(g).map_err(|why| {
-                    err(format!("{}[{i}] = {g:?}: {why}", name_of("gateways", from)))
-                })?;
-                if !gateways.contains(&gw) {
-                    gateways.push(gw);
+            let services_from = pick(
+                (!cli.gateway_service.is_empty()).then(|| cli.gateway_service.clone()),
+                file.gateway_service.clone().filter(|g| !g.is_empty()),
+                path,
+            );
+            if gateways_from.is_none() && services_from.is_none() && !cli.once {
+                return Err(err("no gateways: give --gateways http://127.0.0.1:10001 (or gateways = [\"http://...\"] in the config file), or --gateway-service http://<headless service>:10001 (or --once to print one snapshot)".into()));
+            }
+            if let Some((raw, from)) = gateways_from {
+                for (i, g) in raw.iter().enumerate() {
+                    let gw = Gateway::parse(g).map_err(|why| {
+                        err(format!("{}[{i}] = {g:?}: {why}", name_of("gateways", from)))
+                    })?;
+                    if !gateways.contains(&gw) {
+                        gateways.push(gw);
+                    }
                 }
             }
-            token = Some(resolve_token(cli, &file, path, env_token)?);
+            if let Some((raw, from)) = services_from {
+                for (i, g) in raw.iter().enumerate() {
+                    let svc = GatewayService::parse(g).map_err(|why| {
+                        err(format!(
+                            "{}[{i}] = {g:?}: {why}",
+                            name_of("gateway-service", from)
+                        ))
+                    })?;
+                    if !gateway_services.contains(&svc) {
+                        gateway_services.push(svc);
+                    }
+                }
+            }
+            if !cli.once {
+                token = Some(resolve_token(cli, &file, path, env_token)?);
+            }
         }
 
         // Durations.
@@ -495,6 +577,7 @@ impl Settings {
         Ok(Settings {
             engines,
             gateways,
+            gateway_services,
             token,
             interval,
             push_interval,
@@ -836,9 +919,79 @@ metrics-addr = "127.0.0.1:0"
             resolve(&["--engines", "127.0.0.1:1", "--gateways", "http://127.0.0.1:2"]).unwrap_err(),
             "no ingest token: set KVROUTE_INGEST_TOKEN, or give --token-file PATH, or token-file in the config file"
         );
-        // --once needs neither gateways nor a token.
+        // --once needs neither gateways nor a token, but checks those given.
         let s = resolve(&["--engines", "127.0.0.1:1", "--once"]).unwrap();
         assert!(s.once && s.gateways.is_empty() && s.token.is_none());
+        let e = resolve(&[
+            "--engines",
+            "127.0.0.1:1",
+            "--once",
+            "--gateway-service",
+            "http://10.0.0.1:1",
+        ]);
+        assert!(e.unwrap_err().starts_with("--gateway-service[0]"));
+    }
+
+    #[test]
+    fn gateway_services() {
+        let base = ["--engines", "127.0.0.1:1", "--token", "t"];
+        let with = |extra: &[&str]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            resolve(&v)
+        };
+        // A service alone is enough; each address it resolves to is a gateway.
+        let s = with(&["--gateway-service", "http://gw-ingest.kvroute.svc:10001/"]).unwrap();
+        assert!(s.gateways.is_empty());
+        let svc = &s.gateway_services[0];
+        assert_eq!(
+            (svc.host.as_str(), svc.port),
+            ("gw-ingest.kvroute.svc", 10001)
+        );
+        let gw = svc.gateway("10.1.2.3:10001".parse().unwrap());
+        assert_eq!(gw.base, "http://10.1.2.3:10001");
+        assert_eq!(gw.push_url, "http://10.1.2.3:10001/v1/fleet/snapshot");
+        assert_eq!(gw.load_url, "http://10.1.2.3:10001/v1/fleet/load");
+        // A path prefix is kept; the ingest path itself is not repeated;
+        // the port defaults to 80; IPv6 addresses get brackets.
+        let s = with(&[
+            "--gateway-service",
+            "http://gw/v1/fleet/snapshot,http://gw2/kv",
+        ])
+        .unwrap();
+        assert_eq!(s.gateway_services[0].port, 80);
+        let v6 = s.gateway_services[0].gateway("[fd00::1]:80".parse().unwrap());
+        assert_eq!(v6.push_url, "http://[fd00::1]:80/v1/fleet/snapshot");
+        let prefixed = s.gateway_services[1].gateway("10.0.0.1:80".parse().unwrap());
+        assert_eq!(prefixed.load_url, "http://10.0.0.1:80/kv/v1/fleet/load");
+        // Both kinds together.
+        let s = with(&[
+            "--gateways",
+            "http://127.0.0.1:2",
+            "--gateway-service",
+            "http://gw:3",
+        ])
+        .unwrap();
+        assert_eq!((s.gateways.len(), s.gateway_services.len()), (1, 1));
+        for (bad, why) in [
+            ("http://10.0.0.1:10001", "give an address in --gateways"),
+            ("https://gw:443", "https is not supported"),
+            ("gw:10001", "expected a URL like http://"),
+            ("http://bad host:1", "not a valid host name"),
+        ] {
+            let e = with(&["--gateway-service", bad]).unwrap_err();
+            assert!(
+                e.starts_with("--gateway-service[0]") && e.contains(why),
+                "{bad}: {e}"
+            );
+        }
+        let dir = TempDir::new("services");
+        let path = dir.file(
+            "c.toml",
+            "engines = [\"127.0.0.1:1\"]\ngateway-service = [\"http://gw.ns.svc:10001\"]\ntoken = \"t\"\n",
+        );
+        let s = resolve(&["--config", path.to_str().unwrap()]).unwrap();
+        assert_eq!(s.gateway_services[0].base, "http://gw.ns.svc:10001");
     }
 
     #[test]

@@ -142,6 +142,8 @@ pub struct DnsDiscovery {
     /// Last good answer per name, and whether the last lookup failed.
     last: HashMap<(String, u16), (Vec<SocketAddr>, bool)>,
     metrics: Option<Arc<Metrics>>,
+    /// What an address is, in log lines: "engine" or "gateway".
+    what: &'static str,
 }
 
 impl DnsDiscovery {
@@ -155,7 +157,14 @@ impl DnsDiscovery {
             resolve,
             last: HashMap::new(),
             metrics,
+            what: "engine",
         }
+    }
+
+    /// The same, logging its addresses as `what` (e.g. "gateway").
+    pub fn naming(mut self, what: &'static str) -> DnsDiscovery {
+        self.what = what;
+        self
     }
 }
 
@@ -178,8 +187,9 @@ impl Discovery for DnsDiscovery {
                     addrs.dedup();
                     if entry.1 || entry.0 != addrs {
                         info!(
-                            "dns {host}:{port}: {} engine(s): {}",
+                            "dns {host}:{port}: {} {}(s): {}",
                             addrs.len(),
+                            self.what,
                             join(&addrs)
                         );
                     }

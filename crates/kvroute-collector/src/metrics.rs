@@ -8,14 +8,16 @@
 //! | `kvroute_collector_scrape_failures_total` | counter | `engine`, `cause` | failed scrapes: `timeout`, `refused`, `connect`, `io`, `protocol`, `too_large`, `metrics_status`, `parse`, `not_utf8`, `other`; plus `health_status` (`/health` answered, but not 200) |
 //! | `kvroute_collector_engines_discovered` | gauge | | engines known |
 //! | `kvroute_collector_engines_ready` | gauge | | engines reported ready |
+//! | `kvroute_collector_gateways` | gauge | | gateways pushed to: the configured ones plus those the gateway services resolve to |
 //! | `kvroute_collector_pushes_total` | counter | `gateway`, `status` | push results: the HTTP status (`204`, `401`, `409`, ...) or the transport failure (`timeout`, `refused`, ...) |
 //! | `kvroute_collector_push_duration_seconds` | histogram | | one push |
 //! | `kvroute_collector_last_push_timestamp_seconds` | gauge | `gateway` | last push the gateway accepted (2xx), Unix time |
 //! | `kvroute_collector_load_reads_total` | counter | `gateway`, `result` | reads of a gateway's in-flight load (`GET /v1/fleet/load`, with two gateways or more): `ok`, the HTTP status, `invalid`, or the transport failure |
 //! | `kvroute_collector_snapshot_seq` | gauge | | `seq` of the latest snapshot built |
-//! | `kvroute_collector_dns_failures_total` | counter | `name` | failed lookups of an engine name |
+//! | `kvroute_collector_dns_failures_total` | counter | `name` | failed lookups of an engine name or a gateway service |
 //!
-//! Engine series are removed when discovery drops the engine, so label
+//! Engine series are removed when discovery drops the engine, and gateway
+//! series when a gateway service stops resolving to the gateway, so label
 //! cardinality follows the fleet.
 
 use std::collections::BTreeMap;
@@ -68,6 +70,7 @@ struct Inner {
     scrape_failures: BTreeMap<(String, &'static str), u64>,
     engines_discovered: usize,
     engines_ready: usize,
+    gateways: usize,
     pushes: BTreeMap<(String, String), u64>,
     push_seconds: Histogram,
     last_push_ok_ms: BTreeMap<String, u64>,
@@ -118,6 +121,18 @@ impl Metrics {
         let mut m = self.lock();
         m.scrapes.remove(engine);
         m.scrape_failures.retain(|(e, _), _| e != engine);
+    }
+
+    /// Drops a gateway's series (it went away).
+    pub fn forget_gateway(&self, gateway: &str) {
+        let mut m = self.lock();
+        m.pushes.retain(|(g, _), _| g != gateway);
+        m.last_push_ok_ms.remove(gateway);
+        m.load_reads.retain(|(g, _), _| g != gateway);
+    }
+
+    pub fn gateways(&self, n: usize) {
+        self.lock().gateways = n;
     }
 
     pub fn engines(&self, discovered: usize, ready: usize) {
@@ -206,6 +221,13 @@ impl Metrics {
             "Engines reported ready.",
         );
         let _ = writeln!(out, "kvroute_collector_engines_ready {}", m.engines_ready);
+        header(
+            &mut out,
+            "kvroute_collector_gateways",
+            "gauge",
+            "Gateways pushed to (configured plus resolved).",
+        );
+        let _ = writeln!(out, "kvroute_collector_gateways {}", m.gateways);
         per_gateway(
             &mut out,
             "kvroute_collector_pushes_total",

@@ -15,8 +15,9 @@
 //! so a refusing gateway does not fill the log four times a second. Nothing
 //! stops the pushing.
 //!
-//! **Several gateways.** A collector that pushes to two gateways or more
-//! (one collector for all gateway replicas) also reads each gateway's
+//! **Several gateways.** A collector that pushes to two gateways or more,
+//! or to a gateway service (one collector for all gateway replicas), also
+//! reads each gateway's
 //! in-flight load just before pushing to it (`GET <base>/v1/fleet/load`,
 //! the same token; [`kvroute_core::load::LoadReport`]), waits briefly for
 //! the other gateways' reads of the same round ([`LoadBoard`]), and sets
@@ -27,8 +28,10 @@
 //! A gateway whose load cannot be read counts as unknown, not idle: with no
 //! other gateway's load known, the field is left out. Results are counted
 //! in `kvroute_collector_load_reads_total`; a change of result is logged.
+//! Gateways found through `--gateway-service` join the board when their
+//! address appears and leave it when it goes.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
@@ -73,33 +76,43 @@ struct Read {
     load: Option<(u64, LoadReport)>,
 }
 
-/// The gateways' in-flight loads, one slot per gateway. Every pusher is
-/// handed a new snapshot at the same moment; each reads its own gateway's
-/// load, waits up to [`READ_WAIT`] for the others' reads of that round,
-/// and sums the others' into the snapshot it sends. So the figures a
-/// gateway gets are about as old as the snapshot itself.
-#[derive(Debug)]
+/// The gateways' in-flight loads, one slot per gateway (by its base URL).
+/// Every pusher is handed a new snapshot at the same moment; each reads its
+/// own gateway's load, waits up to [`READ_WAIT`] for the others' reads of
+/// that round, and sums the others' into the snapshot it sends. So the
+/// figures a gateway gets are about as old as the snapshot itself.
+/// Gateways found by a service name join and leave as it resolves.
+#[derive(Debug, Default)]
 pub struct LoadBoard {
-    slots: Mutex<Vec<Read>>,
+    slots: Mutex<BTreeMap<String, Read>>,
     changed: Condvar,
 }
 
 impl LoadBoard {
-    pub fn new(gateways: usize) -> LoadBoard {
-        LoadBoard {
-            slots: Mutex::new(vec![Read::default(); gateways]),
-            changed: Condvar::new(),
-        }
+    pub fn new() -> LoadBoard {
+        LoadBoard::default()
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<Read>> {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Read>> {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Gateway `i`'s load, asked for at `now_ms`: the report, or `None`
-    /// (the read failed).
-    pub fn set(&self, i: usize, now_ms: u64, load: Option<LoadReport>) {
-        if let Some(slot) = self.lock().get_mut(i) {
+    /// A gateway's slot, empty until its first read.
+    pub fn join(&self, gateway: &str) {
+        self.lock().entry(gateway.to_owned()).or_default();
+    }
+
+    /// Drops a gateway's slot: its load no longer counts, and rounds no
+    /// longer wait for it.
+    pub fn leave(&self, gateway: &str) {
+        self.lock().remove(gateway);
+        self.changed.notify_all();
+    }
+
+    /// A gateway's load, asked for at `now_ms`: the report, or `None` (the
+    /// read failed). Ignored for a gateway that has left.
+    pub fn set(&self, gateway: &str, now_ms: u64, load: Option<LoadReport>) {
+        if let Some(slot) = self.lock().get_mut(gateway) {
             slot.tried_ms = now_ms;
             slot.load = load.map(|r| (now_ms, r));
         }
@@ -111,7 +124,7 @@ impl LoadBoard {
     pub fn wait_round(&self, since_ms: u64, limit: Duration) {
         let deadline = Instant::now() + limit;
         let mut slots = self.lock();
-        while slots.iter().any(|s| s.tried_ms < since_ms) {
+        while slots.values().any(|s| s.tried_ms < since_ms) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return;
@@ -126,14 +139,14 @@ impl LoadBoard {
     /// The other gateways' pending prefill by address, summed over reads
     /// younger than [`LOAD_MAX_AGE_MS`]; `None` when no other gateway's
     /// load is known.
-    pub fn others(&self, me: usize, now_ms: u64) -> Option<HashMap<String, u64>> {
+    pub fn others(&self, me: &str, now_ms: u64) -> Option<HashMap<String, u64>> {
         let slots = self.lock();
         let mut sum: Option<HashMap<String, u64>> = None;
-        for (i, slot) in slots.iter().enumerate() {
+        for (gateway, slot) in slots.iter() {
             let Some((read_ms, report)) = &slot.load else {
                 continue;
             };
-            if i == me || now_ms.saturating_sub(*read_ms) > LOAD_MAX_AGE_MS {
+            if gateway == me || now_ms.saturating_sub(*read_ms) > LOAD_MAX_AGE_MS {
                 continue;
             }
             let sum = sum.get_or_insert_with(HashMap::new);
@@ -156,17 +169,19 @@ pub fn with_peers(snap: &Snapshot, others: &HashMap<String, u64>) -> Snapshot {
     out
 }
 
-/// What one pusher shares with the others: the board, and its slot.
+/// What one pusher shares with the others: the board (where its gateway
+/// has joined).
 #[derive(Debug, Clone)]
 pub struct Peers {
     pub board: Arc<LoadBoard>,
-    pub index: usize,
 }
 
 #[derive(Debug, Default)]
 struct Mailbox {
     latest: Option<Payload>,
     stop: bool,
+    /// On stopping, drop the gateway's metric series (it went away).
+    forget: bool,
 }
 
 #[derive(Debug, Default)]
@@ -189,8 +204,8 @@ pub struct Pusher {
 }
 
 impl Pusher {
-    /// `peers`: with two gateways or more, the shared load board and this
-    /// gateway's slot on it.
+    /// `peers`: with two gateways or more, the shared load board; the
+    /// gateway joins it here.
     pub fn spawn(
         gateway: Gateway,
         token: Secret,
@@ -198,11 +213,20 @@ impl Pusher {
         metrics: Arc<Metrics>,
         peers: Option<Peers>,
     ) -> io::Result<Pusher> {
+        if let Some(p) = &peers {
+            p.board.join(&gateway.base);
+        }
         let slot = Arc::new(Slot::default());
         let mine = Arc::clone(&slot);
         let handle = thread::Builder::new()
             .name(format!("push {}", gateway.base))
-            .spawn(move || run(&gateway, &token, timeout, &metrics, &mine, peers.as_ref()))?;
+            .spawn(move || {
+                run(&gateway, &token, timeout, &metrics, &mine, peers.as_ref());
+                // Last, so that nothing this thread records outlives it.
+                if mine.lock().forget {
+                    metrics.forget_gateway(&gateway.base);
+                }
+            })?;
         Ok(Pusher {
             slot,
             handle: Some(handle),
@@ -217,11 +241,24 @@ impl Pusher {
 
     /// Stops after the push in flight, if any; waits for the thread.
     pub fn join(mut self) {
-        self.slot.lock().stop = true;
-        self.slot.wake.notify_one();
+        self.signal_stop();
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
+    }
+
+    /// Stops after the push in flight, if any, without waiting (a gateway
+    /// that went away: its last push may take the whole push timeout), and
+    /// then drops the gateway's metric series.
+    pub fn stop(mut self) {
+        self.slot.lock().forget = true;
+        self.signal_stop();
+        self.handle.take();
+    }
+
+    fn signal_stop(&self) {
+        self.slot.lock().stop = true;
+        self.slot.wake.notify_one();
     }
 }
 
@@ -286,8 +323,11 @@ fn run(
         let body = match peers {
             Some(p) => {
                 let (read, label) = read_load(&agent, &gateway.load_url, &auth);
+                if slot.lock().stop {
+                    return; // the gateway went away meanwhile
+                }
                 metrics.load_read(&gateway.base, &label);
-                p.board.set(p.index, now_ms(), read);
+                p.board.set(&gateway.base, now_ms(), read);
                 if last_load.as_deref() != Some(label.as_str()) {
                     if label == "ok" {
                         info!("gateway {}: reading its in-flight load", gateway.base);
@@ -300,7 +340,7 @@ fn run(
                     last_load = Some(label);
                 }
                 p.board.wait_round(payload.snapshot.taken_at_ms, READ_WAIT);
-                match p.board.others(p.index, now_ms()) {
+                match p.board.others(&gateway.base, now_ms()) {
                     Some(others) => Arc::new(with_peers(&payload.snapshot, &others).to_json()),
                     None => Arc::clone(&payload.body),
                 }
@@ -309,6 +349,10 @@ fn run(
         };
         let started = Instant::now();
         let outcome = post(&agent, &gateway.push_url, &auth, &body);
+        if slot.lock().stop {
+            // The gateway went away meanwhile: its series are gone.
+            return;
+        }
         let label = outcome.label();
         metrics.push(
             &gateway.base,
@@ -455,39 +499,56 @@ mod tests {
 
     #[test]
     fn the_board_sums_the_other_gateways_fresh_reads() {
-        let b = LoadBoard::new(3);
-        assert_eq!(b.others(0, 10_000), None, "nothing read yet");
-        b.set(0, 10_000, Some(report(&[("a:1", 100)])));
-        assert_eq!(b.others(0, 10_000), None, "only its own");
-        b.set(1, 10_000, Some(report(&[("a:1", 5), ("b:1", 7)])));
-        b.set(2, 9_000, Some(report(&[("a:1", 1)])));
-        let o = b.others(0, 10_000).unwrap();
+        let b = LoadBoard::new();
+        for g in ["g0", "g1", "g2"] {
+            b.join(g);
+        }
+        assert_eq!(b.others("g0", 10_000), None, "nothing read yet");
+        b.set("g0", 10_000, Some(report(&[("a:1", 100)])));
+        assert_eq!(b.others("g0", 10_000), None, "only its own");
+        b.set("g1", 10_000, Some(report(&[("a:1", 5), ("b:1", 7)])));
+        b.set("g2", 9_000, Some(report(&[("a:1", 1)])));
+        let o = b.others("g0", 10_000).unwrap();
         assert_eq!((o["a:1"], o["b:1"]), (6, 7));
-        let o = b.others(1, 10_000).unwrap();
+        let o = b.others("g1", 10_000).unwrap();
         assert_eq!((o["a:1"], o.get("b:1")), (101, None));
         // Gateway 2's read ages out; a failed read clears gateway 1's.
-        let o = b.others(0, 11_500).unwrap();
+        let o = b.others("g0", 11_500).unwrap();
         assert_eq!(o["a:1"], 5);
-        b.set(1, 11_500, None);
-        assert_eq!(b.others(0, 11_500), None);
-        b.set(7, 11_500, None); // no such slot: ignored
+        b.set("g1", 11_500, None);
+        assert_eq!(b.others("g0", 11_500), None);
+        b.set("g7", 11_500, None); // no such slot: ignored
+        assert_eq!(b.others("g0", 11_500), None);
+        // A gateway that left no longer counts.
+        b.set("g1", 12_000, Some(report(&[("a:1", 3)])));
+        assert_eq!(b.others("g0", 12_000).unwrap()["a:1"], 3);
+        b.leave("g1");
+        assert_eq!(b.others("g0", 12_000), None);
     }
 
     #[test]
     fn a_round_waits_for_every_gateways_read_and_no_longer() {
-        let b = Arc::new(LoadBoard::new(2));
-        b.set(0, 5_000, None);
+        let b = Arc::new(LoadBoard::new());
+        b.join("g0");
+        b.join("g1");
+        b.set("g0", 5_000, None);
         // Gateway 1 was asked before 5000: the wait runs to its limit.
-        b.set(1, 4_000, None);
+        b.set("g1", 4_000, None);
         let t = Instant::now();
         b.wait_round(5_000, Duration::from_millis(30));
         assert!(t.elapsed() >= Duration::from_millis(30));
         // Another thread's read ends the wait.
         let other = Arc::clone(&b);
-        let h = thread::spawn(move || other.set(1, 5_001, Some(report(&[]))));
+        let h = thread::spawn(move || other.set("g1", 5_001, Some(report(&[]))));
         b.wait_round(5_000, Duration::from_secs(30));
         h.join().unwrap();
-        assert_eq!(b.others(0, 5_001), Some(HashMap::new()));
+        assert_eq!(b.others("g0", 5_001), Some(HashMap::new()));
+        // So does a gateway leaving.
+        b.join("g2");
+        let other = Arc::clone(&b);
+        let h = thread::spawn(move || other.leave("g2"));
+        b.wait_round(5_000, Duration::from_secs(30));
+        h.join().unwrap();
     }
 
     #[test]

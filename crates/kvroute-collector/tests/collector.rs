@@ -339,6 +339,17 @@ fn load_body(address: SocketAddr, prefill: u64) -> String {
     )
 }
 
+/// The snapshots pushed to a gateway that also serves its load.
+fn posted(gw: &FakeServer) -> Vec<Snapshot> {
+    gw.requests
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|r| r.method == "POST")
+        .map(|r| Snapshot::from_json(&r.body).unwrap())
+        .collect()
+}
+
 /// With two gateways, each one's snapshot carries the other's pending
 /// prefill per replica; a gateway whose load cannot be read gives none.
 #[test]
@@ -363,15 +374,7 @@ fn several_gateways_get_each_others_pending_prefill() {
     let running = kvroute_collector::start(s).unwrap();
     let metrics_addr = running.metrics_addr().unwrap();
 
-    let snapshots = |gw: &FakeServer| -> Vec<Snapshot> {
-        gw.requests
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|r| r.method == "POST")
-            .map(|r| Snapshot::from_json(&r.body).unwrap())
-            .collect()
-    };
+    let snapshots = posted;
     let peer = |s: &Snapshot, addr: SocketAddr| host(s, addr).peer_pending_tokens;
     // B hears A's load; A, whose peer answers 404, hears nothing.
     assert!(
@@ -424,5 +427,105 @@ fn several_gateways_get_each_others_pending_prefill() {
             .any(|s| s.hosts.iter().all(|h| h.peer_pending_tokens.is_none()))),
         "B still hears A's load after A's reads failed"
     );
+    running.stop();
+}
+
+/// `--gateway-service`: every address the name resolves to is a gateway
+/// (a headless Service over the gateway pods). Gateways that appear get
+/// snapshots with the others' pending prefill; one that goes away gets no
+/// more pushes, and its load and its metric series are dropped.
+#[test]
+fn a_gateway_service_pushes_to_each_address_it_resolves_to() {
+    let ok = Arc::new(AtomicU16::new(200));
+    let (e1, e2) = (
+        engine(VLLM_METRICS, ok.clone()),
+        engine(VLLM_METRICS, ok.clone()),
+    );
+    let (gw_a, gw_b) = (
+        gateway_with_load(Arc::new(Mutex::new(load_body(e1.addr, 3000)))),
+        gateway_with_load(Arc::new(Mutex::new(load_body(e2.addr, 700)))),
+    );
+    let records = Arc::new(Mutex::new(vec![gw_a.addr]));
+    let answer = records.clone();
+    let resolver: Resolver = Box::new(move |host, port| {
+        if host != "gateways.test" {
+            return Err(std::io::Error::other(format!("unexpected lookup {host}")));
+        }
+        // Port 1 in the URL: each record keeps its own port.
+        Ok(answer
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|x| SocketAddr::new(x.ip(), if port == 1 { x.port() } else { port }))
+            .collect())
+    });
+    let mut s = settings(vec![Target::Addr(e1.addr), Target::Addr(e2.addr)], &gw_a);
+    s.gateways.clear();
+    s.gateway_services =
+        vec![kvroute_collector::config::GatewayService::parse("http://gateways.test:1").unwrap()];
+    s.dns_refresh = Duration::from_millis(100);
+    s.push_interval = Duration::from_millis(50);
+    let running = kvroute_collector::start_with(s, resolver).unwrap();
+    let metrics_addr = running.metrics_addr().unwrap();
+    let snapshots = posted;
+    let peer = |s: &Snapshot, addr: SocketAddr| host(s, addr).peer_pending_tokens;
+
+    // A alone: pushed to, with no other gateway's load to carry.
+    assert!(wait_until(Duration::from_secs(5), || snapshots(&gw_a)
+        .len()
+        >= 2));
+    assert!(snapshots(&gw_a)
+        .iter()
+        .all(|s| s.hosts.iter().all(|h| h.peer_pending_tokens.is_none())));
+    assert!(snapshots(&gw_b).is_empty());
+    assert!(metric_line_present(
+        metrics_addr,
+        "kvroute_collector_gateways 1"
+    ));
+
+    // B appears: each hears the other.
+    records.lock().unwrap().push(gw_b.addr);
+    assert!(
+        wait_until(Duration::from_secs(5), || snapshots(&gw_b)
+            .iter()
+            .any(|s| s.hosts.len() == 2 && peer(s, e1.addr) == Some(3000))),
+        "no push to B with A's 3000 tokens"
+    );
+    assert!(
+        wait_until(Duration::from_secs(5), || snapshots(&gw_a).iter().any(
+            |s| peer(s, e2.addr) == Some(700) && peer(s, e1.addr) == Some(0)
+        )),
+        "no push to A with B's 700 tokens"
+    );
+    assert!(metric_line_present(
+        metrics_addr,
+        "kvroute_collector_gateways 2"
+    ));
+    let a_series = format!("gateway=\"http://{}\"", gw_a.addr);
+    assert!(metric_line_present(metrics_addr, &a_series));
+
+    // A goes away: no more pushes to it; B's snapshots lose A's load; A's
+    // series go.
+    *records.lock().unwrap() = vec![gw_b.addr];
+    assert!(metric_line_present(
+        metrics_addr,
+        "kvroute_collector_gateways 1"
+    ));
+    let a_pushes = snapshots(&gw_a).len();
+    let b_since = snapshots(&gw_b).len();
+    assert!(
+        wait_until(Duration::from_secs(5), || snapshots(&gw_b).len()
+            >= b_since + 4),
+        "B gets no pushes after A left"
+    );
+    assert!(
+        snapshots(&gw_a).len() <= a_pushes + 1,
+        "A still pushed to after it left"
+    );
+    assert!(snapshots(&gw_b)
+        .iter()
+        .skip(b_since + 1)
+        .all(|s| s.hosts.iter().all(|h| h.peer_pending_tokens.is_none())));
+    assert!(!http_get(metrics_addr, "/metrics").contains(&a_series));
     running.stop();
 }

@@ -35,6 +35,7 @@ const MODELS = {
   "v1/Secret": "kubernetes-models/v1/Secret",
   "v1/Service": "kubernetes-models/v1/Service",
   "v1/ServiceAccount": "kubernetes-models/v1/ServiceAccount",
+  "networking.k8s.io/v1/NetworkPolicy": "kubernetes-models/networking.k8s.io/v1/NetworkPolicy",
 };
 
 const [root, inputPath, workdir] = process.argv.slice(2);
