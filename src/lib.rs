@@ -7,7 +7,8 @@
 //! replacing every copy a client sent) and continue. Envoy's `override_host` load
 //! balancing policy routes to the first address and walks the rest on
 //! retries. The charge is released in two steps: the prefill pending at the
-//! first response byte, the memory held when the stream ends.
+//! first response body byte (a stream's first token; vLLM sends the
+//! headers before the prefill), the memory held when the stream ends.
 //!
 //! The request path keeps its host calls few: counters are batched in the
 //! worker and handed to Envoy on its 100 ms tick, and prefix-index reads are

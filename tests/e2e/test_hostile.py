@@ -825,10 +825,10 @@ def _(env: Env):
 
 
 @case("slowloris-body", "oh",
-      "body of a valid chat dribbled 1 byte / 15 ms (~2.5 s) while another client sends 10 chats",
+      "body of a valid chat dribbled 1 byte / 15 ms (~7 s) while another client sends 10 chats",
       "the slow request completes: 200, reason=session; the other client is served meanwhile")
 def _(env: Env):
-    body = j(chat_body(user_text="slow " * 25))
+    body = j(chat_body(user_text="slow " * 80))
     payload = [h1_request("POST", CHAT, [("x-session-id", "slow-body")], None, content_length=len(body))]
     payload += [body[i:i + 1] for i in range(len(body))]
     with ThreadPoolExecutor(1) as pool:

@@ -17,8 +17,9 @@ can check where each model's requests went. A request with
 ``x-upstream-delay-ms: N`` is held for N milliseconds before the answer
 (capped at 60 s), which is how tests keep requests in flight. With
 ``x-upstream-body-delay-ms: N`` the response headers go out at once and the
-body (chunked) N milliseconds later, as vLLM streams: its headers before
-the prefill, the first chunk with the first token.
+body (chunked) in two chunks, N milliseconds later and 2N milliseconds
+later, as vLLM streams: its headers before the prefill, the first chunk
+with the first token, the rest as the answer is decoded.
 
 Three paths are the engine's own, as a scraper sees them (vLLM's names):
 
@@ -309,7 +310,8 @@ class ReplicaHandler(BaseHTTPRequestHandler):
         self._send_bytes(status, json.dumps(doc).encode(), "application/json")
 
     def _send_late(self, status: int, doc: dict, delay_ms: str) -> None:
-        """Headers now, the body as one chunk after delay_ms."""
+        """Headers now; the body's first chunk after delay_ms, the rest
+        (and the end) after delay_ms more."""
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
@@ -317,11 +319,15 @@ class ReplicaHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.flush()
         try:
-            time.sleep(min(max(int(delay_ms), 0), MAX_DELAY_MS) / 1000.0)
+            pause = min(max(int(delay_ms), 0), MAX_DELAY_MS) / 1000.0
         except ValueError:
-            pass
+            pause = 0.0
         payload = json.dumps(doc).encode()
-        self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
+        half = len(payload) // 2
+        for i, part in enumerate((payload[:half], payload[half:])):
+            time.sleep(pause)
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part) + (b"0\r\n\r\n" if i else b""))
+            self.wfile.flush()
 
     def _send_text(self, status: int, text: str) -> None:
         self._send_bytes(status, text.encode(), "text/plain; version=0.0.4; charset=utf-8")

@@ -552,7 +552,14 @@ impl Loop {
         for w in &mut workers {
             w.stop();
         }
-        for p in std::mem::take(&mut self.pushers.map).into_values() {
+        // Likewise the pushers: each may be in a push up to its timeout.
+        let pushers: Vec<Pusher> = std::mem::take(&mut self.pushers.map)
+            .into_values()
+            .collect();
+        for p in &pushers {
+            p.signal_stop();
+        }
+        for p in pushers {
             p.join();
         }
         for w in workers {

@@ -4,8 +4,9 @@
 //! It scrapes each engine's `/health` and `/metrics` (vLLM, SGLang,
 //! TensorRT-LLM), turns them into one [`kvroute_core::fleet::Snapshot`] (KV
 //! utilisation and capacity, queue and batch sizes, readiness, served models
-//! and LoRA adapters), and pushes it to every configured gateway's ingest
-//! endpoint, where the kvroute filter stores it in shared data.
+//! and LoRA adapters), and pushes it to every gateway's ingest endpoint (the
+//! configured ones, and every address a gateway service resolves to), where
+//! the kvroute filter stores it in shared data.
 //!
 //! ```text
 //!   discovery (static ip:port, DNS names re-resolved)
@@ -15,6 +16,7 @@
 //!        | snapshot JSON (every push-interval, and at once on a readiness change)
 //!        v
 //!   one pusher per gateway: POST <gateway>/v1/fleet/snapshot (Bearer token)
+//!        ^ gateways come and go with gateway discovery (--gateway-service, DNS)
 //! ```
 //!
 //! Modules:

@@ -40,7 +40,17 @@ fn main() -> ExitCode {
         };
     }
     let engines: Vec<String> = settings.engines.iter().map(ToString::to_string).collect();
-    let gateways: Vec<&str> = settings.gateways.iter().map(|g| g.base.as_str()).collect();
+    let gateways: Vec<String> = settings
+        .gateways
+        .iter()
+        .map(|g| g.base.clone())
+        .chain(
+            settings
+                .gateway_services
+                .iter()
+                .map(|s| format!("{} (service)", s.base)),
+        )
+        .collect();
     info!(
         "kvroute-collector {} as {:?}: engines [{}], gateways [{}], interval {:?}, timeout {:?}, metrics on {}",
         env!("CARGO_PKG_VERSION"),

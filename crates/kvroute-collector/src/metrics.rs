@@ -12,7 +12,7 @@
 //! | `kvroute_collector_pushes_total` | counter | `gateway`, `status` | push results: the HTTP status (`204`, `401`, `409`, ...) or the transport failure (`timeout`, `refused`, ...) |
 //! | `kvroute_collector_push_duration_seconds` | histogram | | one push |
 //! | `kvroute_collector_last_push_timestamp_seconds` | gauge | `gateway` | last push the gateway accepted (2xx), Unix time |
-//! | `kvroute_collector_load_reads_total` | counter | `gateway`, `result` | reads of a gateway's in-flight load (`GET /v1/fleet/load`, with two gateways or more): `ok`, the HTTP status, `invalid`, or the transport failure |
+//! | `kvroute_collector_load_reads_total` | counter | `gateway`, `result` | reads of a gateway's in-flight load (`GET /v1/fleet/load`, with two gateways or more, or a gateway service): `ok`, the HTTP status, `invalid`, or the transport failure |
 //! | `kvroute_collector_snapshot_seq` | gauge | | `seq` of the latest snapshot built |
 //! | `kvroute_collector_dns_failures_total` | counter | `name` | failed lookups of an engine name or a gateway service |
 //!

@@ -205,7 +205,7 @@ pub struct Pusher {
 
 impl Pusher {
     /// `peers`: with two gateways or more, the shared load board; the
-    /// gateway joins it here.
+    /// gateway joins it here (and leaves it if the thread cannot start).
     pub fn spawn(
         gateway: Gateway,
         token: Secret,
@@ -213,12 +213,15 @@ impl Pusher {
         metrics: Arc<Metrics>,
         peers: Option<Peers>,
     ) -> io::Result<Pusher> {
-        if let Some(p) = &peers {
-            p.board.join(&gateway.base);
+        let board = peers
+            .as_ref()
+            .map(|p| (Arc::clone(&p.board), gateway.base.clone()));
+        if let Some((b, base)) = &board {
+            b.join(base);
         }
         let slot = Arc::new(Slot::default());
         let mine = Arc::clone(&slot);
-        let handle = thread::Builder::new()
+        let spawned = thread::Builder::new()
             .name(format!("push {}", gateway.base))
             .spawn(move || {
                 run(&gateway, &token, timeout, &metrics, &mine, peers.as_ref());
@@ -226,7 +229,18 @@ impl Pusher {
                 if mine.lock().forget {
                     metrics.forget_gateway(&gateway.base);
                 }
-            })?;
+            });
+        let handle = match spawned {
+            Ok(h) => h,
+            Err(e) => {
+                // No thread will read this gateway's load: rounds must not
+                // wait for it.
+                if let Some((b, base)) = &board {
+                    b.leave(base);
+                }
+                return Err(e);
+            }
+        };
         Ok(Pusher {
             slot,
             handle: Some(handle),
@@ -256,7 +270,8 @@ impl Pusher {
         self.handle.take();
     }
 
-    fn signal_stop(&self) {
+    /// Asks the thread to stop after the push in flight (then `join`).
+    pub fn signal_stop(&self) {
         self.slot.lock().stop = true;
         self.slot.wake.notify_one();
     }

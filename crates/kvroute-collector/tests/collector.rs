@@ -526,6 +526,13 @@ fn a_gateway_service_pushes_to_each_address_it_resolves_to() {
         .iter()
         .skip(b_since + 1)
         .all(|s| s.hosts.iter().all(|h| h.peer_pending_tokens.is_none())));
-    assert!(!http_get(metrics_addr, "/metrics").contains(&a_series));
+    assert!(
+        wait_until(Duration::from_secs(5), || !http_get(
+            metrics_addr,
+            "/metrics"
+        )
+        .contains(&a_series)),
+        "A's series are still exported"
+    );
     running.stop();
 }

@@ -14,7 +14,7 @@
 //!
 //! - `pending`: prefill ahead of the request, the larger of the engine's
 //!   view (waiting requests x `waitingRequestTokens`) and the gateway's own
-//!   (prompt tokens it sent there with no first byte yet). The gateway's
+//!   (prompt tokens it sent there with no first response body byte yet). The gateway's
 //!   figure moves with every dispatch, so a burst cannot pile onto the
 //!   replica that looked idle in the last snapshot. Without engine data (no
 //!   snapshot, or the replica's data is stale), the gateway's own alone;
