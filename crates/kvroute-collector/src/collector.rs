@@ -289,17 +289,14 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
             }
             out
         };
-        let tx = tx.clone();
-        let stop = Arc::clone(&stop);
-        let every = settings.dns_refresh;
-        Some(
-            thread::Builder::new()
-                .name("gateway discovery".into())
-                .spawn(move || discovery_loop(look, Event::Gateways, &tx, &stop, every))
-                .map_err(|e| {
-                    StartError(format!("cannot start the gateway discovery thread: {e}"))
-                })?,
-        )
+        Some(spawn_discovery(
+            "gateway discovery",
+            look,
+            Event::Gateways,
+            &tx,
+            &stop,
+            settings.dns_refresh,
+        )?)
     };
     let (mut disco, dynamic) = discovery::for_targets(
         &settings.engines,
@@ -307,17 +304,14 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
         Some(Arc::clone(&metrics)),
     );
     let discovery_thread = if dynamic {
-        let tx = tx.clone();
-        let stop = Arc::clone(&stop);
-        let every = settings.dns_refresh;
-        Some(
-            thread::Builder::new()
-                .name("discovery".into())
-                .spawn(move || {
-                    discovery_loop(move || disco.engines(), Event::Engines, &tx, &stop, every)
-                })
-                .map_err(|e| StartError(format!("cannot start the discovery thread: {e}")))?,
-        )
+        Some(spawn_discovery(
+            "discovery",
+            move || disco.engines(),
+            Event::Engines,
+            &tx,
+            &stop,
+            settings.dns_refresh,
+        )?)
     } else {
         let _ = tx.send(Event::Engines(disco.engines()));
         None
@@ -353,6 +347,22 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
         metrics,
         metrics_server,
     })
+}
+
+/// A thread running [`discovery_loop`].
+fn spawn_discovery<T: PartialEq + Clone + 'static>(
+    name: &str,
+    look: impl FnMut() -> T + Send + 'static,
+    event: fn(T) -> Event,
+    tx: &Sender<Event>,
+    stop: &Arc<AtomicBool>,
+    every: Duration,
+) -> Result<thread::JoinHandle<()>, StartError> {
+    let (tx, stop) = (tx.clone(), Arc::clone(stop));
+    thread::Builder::new()
+        .name(name.into())
+        .spawn(move || discovery_loop(look, event, &tx, &stop, every))
+        .map_err(|e| StartError(format!("cannot start the {name} thread: {e}")))
 }
 
 /// Looks every `every` and sends what it finds when it changed.
@@ -578,9 +588,10 @@ struct Pushers {
 }
 
 impl Pushers {
-    fn add(&mut self, gw: Gateway) -> std::io::Result<()> {
+    /// A pusher for `gw` unless it has one; whether it is new.
+    fn add(&mut self, gw: Gateway) -> std::io::Result<bool> {
         if self.map.contains_key(&gw.base) {
-            return Ok(());
+            return Ok(false);
         }
         let base = gw.base.clone();
         let peers = self.board.as_ref().map(|b| Peers {
@@ -595,7 +606,7 @@ impl Pushers {
         )?;
         self.map.insert(base, p);
         self.metrics.gateways(self.map.len());
-        Ok(())
+        Ok(true)
     }
 
     /// Makes the pushers those of `wanted`: new gateways get a pusher (and
@@ -617,16 +628,14 @@ impl Pushers {
             if let Some(b) = &self.board {
                 b.leave(&base);
             }
-            self.metrics.gateways(self.map.len());
             info!("gateway {base}: removed");
         }
+        self.metrics.gateways(self.map.len());
         for gw in wanted {
-            if self.map.contains_key(&gw.base) {
-                continue;
-            }
             let base = gw.base.clone();
             match self.add(gw) {
-                Ok(()) => {
+                Ok(false) => {}
+                Ok(true) => {
                     info!("gateway {base}: added");
                     if let (Some(p), Some(payload)) = (self.map.get(&base), latest) {
                         p.offer(payload.clone());

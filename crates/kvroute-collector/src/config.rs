@@ -245,12 +245,18 @@ impl Gateway {
             authority.to_owned()
         };
         Target::parse(&with_port)?;
-        let root = base.strip_suffix(INGEST_PATH).unwrap_or(base);
-        Ok(Gateway {
-            base: base.to_owned(),
+        Ok(Gateway::labelled(base.to_owned()))
+    }
+
+    /// The gateway whose ingest base URL is `base` (with or without the
+    /// ingest path), labelled `base`.
+    fn labelled(base: String) -> Gateway {
+        let root = base.strip_suffix(INGEST_PATH).unwrap_or(&base);
+        Gateway {
             push_url: format!("{root}{INGEST_PATH}"),
             load_url: format!("{root}{LOAD_PATH}"),
-        })
+            base,
+        }
     }
 }
 
@@ -293,13 +299,8 @@ impl GatewayService {
 
     /// The gateway at one of the addresses the name resolved to.
     pub fn gateway(&self, addr: SocketAddr) -> Gateway {
-        let root = format!("http://{addr}{}", self.path);
-        let root = root.strip_suffix(INGEST_PATH).unwrap_or(&root).to_owned();
-        Gateway {
-            base: root.clone(),
-            push_url: format!("{root}{INGEST_PATH}"),
-            load_url: format!("{root}{LOAD_PATH}"),
-        }
+        let url = format!("http://{addr}{}", self.path);
+        Gateway::labelled(url.strip_suffix(INGEST_PATH).unwrap_or(&url).to_owned())
     }
 }
 
