@@ -13,7 +13,9 @@
 //! under the engines' own rule (at least one prompt token is computed).
 //! Its prompt and answer blocks are then cached (and refreshed in LRU order).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use kvroute_sim::engine::{BlockMap, BlockSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -44,7 +46,7 @@ pub struct Ceilings {
 struct Lru {
     capacity: usize,
     tick: u64,
-    at: HashMap<u64, u64>,
+    at: BlockMap<u64>,
     order: VecDeque<(u64, u64)>,
 }
 
@@ -53,7 +55,7 @@ impl Lru {
         Self {
             capacity,
             tick: 0,
-            at: HashMap::new(),
+            at: BlockMap::default(),
             order: VecDeque::new(),
         }
     }
@@ -93,7 +95,7 @@ fn leading(prompt: &[u64], has: impl Fn(u64) -> bool) -> usize {
 /// Both ceilings, fed one request at a time in send order (so that a long
 /// run need not keep every request's hashes).
 pub struct Ceiling {
-    seen: HashSet<u64>,
+    seen: BlockSet,
     lru: Lru,
     fleet_blocks: u64,
     queries: u64,
@@ -105,7 +107,7 @@ impl Ceiling {
     /// Ceilings for a fleet of `fleet_blocks` blocks in all.
     pub fn new(fleet_blocks: u64) -> Self {
         Self {
-            seen: HashSet::new(),
+            seen: BlockSet::default(),
             lru: Lru::new(usize::try_from(fleet_blocks).unwrap_or(usize::MAX)),
             fleet_blocks,
             queries: 0,

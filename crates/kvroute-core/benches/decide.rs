@@ -1,5 +1,5 @@
-//! Parse + hash + pick for chat bodies of 1 KB, 32 KB and 128 KB, with 8 and
-//! 256 hosts: the decision kvroute makes on every request, without the host.
+//! Parse + hash + pick for chat bodies of 1 KB, 32 KB and 128 KB, with 8, 256 and
+//! 1,024 hosts: the decision kvroute makes on every request, without the host.
 //!
 //! `cargo bench -p kvroute-core --bench decide`
 
@@ -9,7 +9,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use kvroute_core::admit::{arrive, Objective, Queue};
 use kvroute_core::decide::{analyze, headroom, pick};
 use kvroute_core::fleet::{FleetView, HostState, Snapshot, SNAPSHOT_VERSION};
-use kvroute_core::load::LoadTable;
+use kvroute_core::load::{Charge, LoadTable};
 use kvroute_core::{Config, Endpoint};
 use std::hint::black_box;
 
@@ -21,7 +21,7 @@ fn bench(c: &mut Criterion) {
     for size in [1 << 10, 32 << 10, 128 << 10] {
         let body = chat_body(size);
         group.throughput(Throughput::Bytes(body.len() as u64));
-        for hosts in [8usize, 256] {
+        for hosts in [8usize, 256, 1024] {
             let Some(cfg) = config(hosts) else { continue };
             let table = loads(&cfg);
             let id = BenchmarkId::new(format!("{}KB", size >> 10), format!("{hosts}hosts"));
@@ -88,21 +88,39 @@ fn bench_fleet_pick(c: &mut Criterion) {
             continue;
         };
         let view = FleetView::new(snap, 1_764_400_000_000);
-        let table = LoadTable::default();
         let hits: Vec<(u64, u32)> = view.set.iter().take(3).map(|h| (h.id, 40)).collect();
-        group.bench_with_input(
-            BenchmarkId::new("32KB", format!("{hosts}hosts")),
-            &body,
-            |b, body| {
-                b.iter(|| {
-                    let facts = analyze(&cfg, Endpoint::ChatCompletions, None, black_box(body));
-                    facts
-                        .map(|f| pick(&cfg, &f, Some(&view), &table, &hits, 1_764_400_000_100).pick)
-                })
-            },
-        );
+        // An idle gateway, and one with requests in flight on every replica
+        // (the gateway's load table is read once per replica).
+        let busy = busy_table(&view);
+        for (name, table) in [("32KB", LoadTable::default()), ("32KB-busy", busy)] {
+            group.bench_with_input(
+                BenchmarkId::new(name, format!("{hosts}hosts")),
+                &body,
+                |b, body| {
+                    b.iter(|| {
+                        let facts = analyze(&cfg, Endpoint::ChatCompletions, None, black_box(body));
+                        facts.map(|f| {
+                            pick(&cfg, &f, Some(&view), &table, &hits, 1_764_400_000_100).pick
+                        })
+                    })
+                },
+            );
+        }
     }
     group.finish();
+}
+
+/// Uneven load on every replica of `view`.
+fn busy_table(view: &FleetView) -> LoadTable {
+    let mut table = LoadTable::default();
+    for (i, h) in view.set.iter().enumerate() {
+        table.add(Charge {
+            host: h.id,
+            prefill: (i as u64 * 104_729) % 8_000,
+            memory: (i as u64 * 7919) % 50_000,
+        });
+    }
+    table
 }
 
 /// The admission step a router with `admission.enabled` adds before the

@@ -1,6 +1,6 @@
 //! The decision alone, timed with `std::time::Instant`: the same work as the
 //! criterion group `decide/` in benches/decide.rs (`analyze` + `pick` without a snapshot on
-//! real-shaped chat bodies of 1 KB, 32 KB and 128 KB, 8 and 256 hosts), in a
+//! real-shaped chat bodies of 1 KB, 32 KB and 128 KB, 8, 256 and 1,024 hosts), in a
 //! plain loop so that it also runs as a wasm32-wasip1 program under a WASI
 //! host. Criterion does not build for wasm32; this does, so the native build
 //! and the Wasm build time exactly the same code.
@@ -102,7 +102,7 @@ fn main() {
     };
     for size in [1usize << 10, 32 << 10, 128 << 10] {
         let body = chat_body(size);
-        for hosts in [8usize, 256] {
+        for hosts in [8usize, 256, 1024] {
             let Some(cfg) = config(hosts) else {
                 eprintln!("decide_timing: config with {hosts} hosts refused");
                 std::process::exit(1);

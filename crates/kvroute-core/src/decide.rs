@@ -109,7 +109,7 @@ use crate::fleet::{FleetHost, FleetView};
 use crate::hash::{model_seed, BlockHasher};
 use crate::host::{Counter, Gauge, Metrics, SharedData};
 use crate::index::{Index, IndexCache};
-use crate::load::{self, Charge, LoadTable};
+use crate::load::{self, Charge, Entry, LoadTable};
 use crate::picker::{self, Bounds, HostSet, Pick};
 use crate::request::{self, CanonicalSink, Endpoint, ParseError};
 use crate::score::{self, Candidate};
@@ -459,8 +459,7 @@ impl Replica {
     /// A replica with no engine data: no snapshot at all, or stale metrics.
     /// It is judged on the gateway's own figures (what it sent there:
     /// prefill pending, memory held) and may be a home.
-    fn unobserved(index: usize, id: u64, table: &LoadTable) -> Replica {
-        let gw = table.entry(id);
+    fn unobserved(index: usize, id: u64, gw: Entry) -> Replica {
         Replica {
             index,
             id,
@@ -476,10 +475,11 @@ impl Replica {
 
 /// The configured hosts as replicas, none with engine data.
 fn configured(hosts: &HostSet, table: &LoadTable) -> Vec<Replica> {
-    hosts
-        .iter()
+    table
+        .aligned(hosts)
+        .into_iter()
         .enumerate()
-        .map(|(index, h)| Replica::unobserved(index, h.id, table))
+        .map(|(index, gw)| Replica::unobserved(index, gw.host, gw))
         .collect()
 }
 
@@ -507,10 +507,15 @@ fn observed(
         })
         .collect();
     let wanted = wanted(|s| serving.iter().any(|&(_, t)| t == s));
+    let gateway = table.aligned(&view.set);
     let mut degraded = false;
     let mut replicas = Vec::with_capacity(serving.len());
     for &(index, _) in serving.iter().filter(|&&(_, s)| s == wanted) {
-        let (Some(host), Some(id)) = (view.hosts.get(index), view.set.get(index)) else {
+        let (Some(host), Some(id), Some(&gw)) = (
+            view.hosts.get(index),
+            view.set.get(index),
+            gateway.get(index),
+        ) else {
             continue;
         };
         let st = &host.state;
@@ -523,11 +528,10 @@ fn observed(
             degraded = true;
             replicas.push(Replica {
                 capacity,
-                ..Replica::unobserved(index, id.id, table)
+                ..Replica::unobserved(index, id.id, gw)
             });
             continue;
         }
-        let gw = table.entry(id.id);
         let waiting = u64::from(st.waiting).saturating_mul(f.waiting_request_tokens);
         // The other gateways' pending prefill here, as the collector read
         // it, less what the replica has prefilled since at its rate.

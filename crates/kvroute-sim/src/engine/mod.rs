@@ -98,6 +98,7 @@ mod server;
 
 pub use config::EngineConfig;
 pub use fault::{FaultKind, FaultSpec};
+pub use kv::{BlockMap, BlockSet, Prehashed};
 pub use prompt::{
     block_hashes, cacheable_hit_blocks, chat_prompt, generated_text, model_seed, tokens_of,
     BLOCK_BYTES, BLOCK_TOKENS, BYTES_PER_TOKEN,
