@@ -534,10 +534,13 @@ fn observed(
         }
         let waiting = u64::from(st.waiting).saturating_mul(f.waiting_request_tokens);
         // The other gateways' pending prefill here, as the collector read
-        // it, less what the replica has prefilled since at its rate.
+        // it, at `peerPendingWeight` (their charges know less of what is
+        // cached here than this gateway's), less what the replica has
+        // prefilled since at its rate.
         let peer = st.peer_pending_tokens.map_or(0, |p| {
             let age_s = host.age_ms(view_age) as f64 / 1000.0;
-            p.saturating_sub((age_s * f.prefill_tokens_per_s) as u64)
+            let counted = (p as f64 * f.peer_pending_weight) as u64;
+            counted.saturating_sub((age_s * f.prefill_tokens_per_s) as u64)
         });
         let pending = waiting.max(gw.prefill.saturating_add(peer));
         // The engine's KV in use, plus what waits to be admitted (not in
@@ -1737,6 +1740,17 @@ mod tests {
         // read its peers) it stays as well.
         assert_eq!(at(&with_peers(None), 5000), home);
         assert_eq!(at(&with_peers(Some(0)), 5000), home);
+        // `peerPendingWeight` counts a share of it: a tenth of 20k tokens
+        // is less than the prefill the home saves.
+        let tenth =
+            Config::from_json(br#"{"hosts":["127.0.0.1:8001"],"fleet":{"peerPendingWeight":0.1}}"#)
+                .unwrap();
+        let v = with_peers(Some(20_000));
+        assert_eq!(fleet_pick_with(&tenth, &v, &f, 5000).targets[0], home);
+        assert_eq!(
+            fleet_pick_with(&tenth, &with_peers(Some(200_000)), &f, 5000).targets[0],
+            other
+        );
     }
 
     /// A replica without headroom by the snapshot takes no new
