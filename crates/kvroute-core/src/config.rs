@@ -366,8 +366,8 @@ pub mod defaults {
     /// overstates the work a conversation's home has ahead; counted
     /// whole, it moved first turns off their homes. Real-time bench,
     /// Mooncake 500..900 s, three gateways and one collector: at 1, 90 %
-    /// of one gateway's hit rate and 1.05x its TTFT p95 (5 runs); at 0.75,
-    /// 102 % and 1.03x (2 runs); at 0.5, 105 % and 1.07x (2 runs)
+    /// of one gateway's hit rate and 1.04x its TTFT p95 (6 runs); at 0.75,
+    /// 99 % and 1.04x (3 runs); at 0.5, 102 % and 1.09x (2 runs)
     /// (docs/fleet-state.md).
     pub fn peer_pending_weight() -> f64 {
         0.75

@@ -68,7 +68,7 @@ use std::time::Instant;
 use serde::Serialize;
 use xxhash_rust::xxh64::xxh64;
 
-use kvroute_sim::engine::sched::{NewRequest, Reading, Scheduler, SeqEvent};
+use kvroute_sim::engine::sched::{NewRequest, Reading, Scheduler, SeqEvent, StepOutput};
 use kvroute_sim::engine::{
     block_hashes, chat_prompt, generated_text, EngineConfig, BLOCK_BYTES, BLOCK_TOKENS,
     BYTES_PER_TOKEN,
@@ -157,11 +157,9 @@ enum Kind {
     Arrive { session: usize },
     /// An engine that was idle looks for work.
     Wake { engine: usize },
-    /// An engine's step ends: its tokens come out.
-    StepDone {
-        engine: usize,
-        out: kvroute_sim::engine::sched::StepOutput,
-    },
+    /// An engine's step ends: its tokens come out (the step's output
+    /// waits in [`Engine::step`], so that events stay small in the heap).
+    StepDone { engine: usize },
     /// A collector scrapes every engine.
     Scrape { collector: usize },
     /// A collector's readings reach a gateway.
@@ -241,7 +239,26 @@ struct Flight {
 
 struct Engine {
     sched: Scheduler,
+    /// A step is in flight (its output is taken when it ends, and the
+    /// engine steps on until it has no work).
     stepping: bool,
+    /// The output of the step in flight.
+    step: Option<StepOutput>,
+}
+
+impl Engine {
+    /// Starts the next step at `now` if there is work (its end time);
+    /// else the engine stops stepping.
+    fn start_step(&mut self, now: f64) -> Option<f64> {
+        let Some(out) = self.sched.step(now) else {
+            self.stepping = false;
+            return None;
+        };
+        let end = out.end();
+        self.stepping = true;
+        self.step = Some(out);
+        Some(end)
+    }
 }
 
 /// Runs `workload` through `router` on a fresh fleet.
@@ -253,6 +270,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
         .map(|_| Engine {
             sched: Scheduler::new(opts.engine.clone(), opts.seed),
             stepping: false,
+            step: None,
         })
         .collect();
     let fleet_blocks = (opts.engine.kv_blocks * n) as u64;
@@ -452,15 +470,17 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
             Kind::Wake { engine } => {
                 if let Some(e) = engines.get_mut(engine) {
                     if !e.stepping {
-                        if let Some(out) = e.sched.step(now) {
+                        if let Some(end) = e.start_step(now) {
                             steps += 1;
-                            e.stepping = true;
-                            q.push(out.end(), Kind::StepDone { engine, out });
+                            q.push(end, Kind::StepDone { engine });
                         }
                     }
                 }
             }
-            Kind::StepDone { engine, out } => {
+            Kind::StepDone { engine } => {
+                let Some(out) = engines.get_mut(engine).and_then(|e| e.step.take()) else {
+                    continue;
+                };
                 for ev in out.events {
                     match ev {
                         SeqEvent::Token { id, word, done, .. } => {
@@ -527,14 +547,9 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                         }
                     }
                 }
-                if let Some(e) = engines.get_mut(engine) {
-                    match e.sched.step(now) {
-                        Some(out) => {
-                            steps += 1;
-                            q.push(out.end(), Kind::StepDone { engine, out });
-                        }
-                        None => e.stepping = false,
-                    }
+                if let Some(end) = engines.get_mut(engine).and_then(|e| e.start_step(now)) {
+                    steps += 1;
+                    q.push(end, Kind::StepDone { engine });
                 }
             }
             Kind::Scrape { collector } => {

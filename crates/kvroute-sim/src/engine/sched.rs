@@ -177,6 +177,9 @@ pub struct Scheduler {
     next_id: u64,
     budget: usize,
     stats: Stats,
+    /// Scratch lists of a step, kept to spare an allocation per step.
+    contexts: Vec<usize>,
+    finished: Vec<usize>,
 }
 
 impl Scheduler {
@@ -192,6 +195,8 @@ impl Scheduler {
             next_id: 1,
             budget: 0,
             stats: Stats::default(),
+            contexts: Vec::new(),
+            finished: Vec::new(),
         }
     }
 
@@ -487,7 +492,8 @@ impl Scheduler {
     /// Computes the scheduled tokens, samples, and finishes sequences.
     fn execute(&mut self, now: f64) -> Option<StepOutput> {
         let mut prefill_tokens = 0;
-        let mut contexts = Vec::new();
+        let mut contexts = std::mem::take(&mut self.contexts);
+        contexts.clear();
         for s in &self.running {
             if s.decoding {
                 contexts.push(s.len());
@@ -495,7 +501,7 @@ impl Scheduler {
                 prefill_tokens += s.now;
             }
         }
-        let mut events = Vec::new();
+        let mut events = Vec::with_capacity(self.running.len());
         if prefill_tokens == 0 && contexts.is_empty() {
             // Nothing could be scheduled. With the submission check this
             // cannot happen; fail the head of the queue rather than spin.
@@ -512,8 +518,11 @@ impl Scheduler {
             });
         }
         let duration = self.cfg.step_time_us(prefill_tokens, &contexts) / 1e6;
+        let decode_seqs = contexts.len();
+        self.contexts = contexts;
         let end = now + duration;
-        let mut finished = Vec::new();
+        let mut finished = std::mem::take(&mut self.finished);
+        finished.clear();
         for (i, s) in self.running.iter_mut().enumerate() {
             if s.now == 0 {
                 continue;
@@ -563,11 +572,12 @@ impl Scheduler {
             self.stats.success += 1;
             self.stats.e2e.observe(end - s.arrival);
         }
+        self.finished = finished;
         Some(StepOutput {
             start: now,
             duration,
             prefill_tokens,
-            decode_seqs: contexts.len(),
+            decode_seqs,
             events,
         })
     }
