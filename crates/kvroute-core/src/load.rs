@@ -21,9 +21,11 @@
 //! decode tokens instead; its key, `load.v1`, is no longer read.)
 //!
 //! Entries are kept sorted by host id, so that a decision, which reads one
-//! entry per candidate replica, finds each by binary search: with a linear
-//! search a busy 1,024-replica fleet cost 352 µs a decision instead of
-//! 74 µs idle (`cargo bench -p kvroute-core --bench decide`, `decide_fleet`).
+//! entry per candidate replica, merges the table with its candidate list in
+//! one pass ([`LoadTable::aligned`]), and a single host is found by binary
+//! search: with a linear search per candidate a busy 1,024-replica fleet
+//! cost 352 µs a decision instead of 74 µs idle (`cargo bench -p
+//! kvroute-core --bench decide`, `decide_fleet`).
 //! A stored table that is not sorted (or repeats a host) is put in order
 //! when decoded, repeated hosts summed.
 //!

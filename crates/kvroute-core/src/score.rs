@@ -152,8 +152,10 @@ fn places(cands: &[Candidate], key: u64, quantum: f64) -> Vec<Place> {
         .collect()
 }
 
-/// Candidates' positions in preference order.
-pub fn order(cands: &[Candidate], key: u64, quantum: f64) -> Vec<usize> {
+/// Candidates' positions in preference order, fully sorted: the reference
+/// the lazy walk of [`pick_scored`] is tested against.
+#[cfg(test)]
+fn order(cands: &[Candidate], key: u64, quantum: f64) -> Vec<usize> {
     let mut all = places(cands, key, quantum);
     all.sort_unstable_by(|a, b| b.cmp(a));
     all.into_iter().map(|p| p.k).collect()
@@ -167,7 +169,7 @@ pub fn order(cands: &[Candidate], key: u64, quantum: f64) -> Vec<usize> {
 /// the primary and its fallbacks are found), since a pick needs the first
 /// few places only: a full sort of 1,024 candidates was most of a
 /// decision's cost once the load table was sorted. The result is that of
-/// the walk over [`order`] (a test holds them equal).
+/// the walk over the fully sorted order (a test holds them equal).
 pub fn pick_scored(
     cands: &[Candidate],
     key: u64,
