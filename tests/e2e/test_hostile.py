@@ -1247,21 +1247,27 @@ def test_memory_report(request):
         if before.get("rss_kib") and after.get("rss_kib"):
             assert after["rss_kib"] - before["rss_kib"] < 512 * 1024, "Envoy RSS grew by more than 512 MiB"
         # Linear memory never shrinks: it holds each VM's high-water mark (one
-        # VM per worker, and a worker's first big body raises its own). So:
-        # 8 big parsed bodies (every worker's VM sees some), then 8 more: the
-        # second round must not raise it further (a per-request leak would).
+        # VM per worker), and a VM's first big body raises its own, once. The
+        # kernel may hand a whole round of connections to one worker (a CI
+        # run saw 2272 -> 4312 -> 6352 KiB: round 1 on one worker, round 2
+        # on the other), so one round does not warm every VM. A per-request
+        # leak grows the memory every round; first raises happen at most
+        # once per VM. So: after a first round, as many rounds as there are
+        # Wasm memories plus one, and at least one of them must leave the
+        # memory where it was (within one body).
         body = tiny_messages(200_000 if env.max_body >= (6 << 20) else 30_000)
+        vms = after.get("wasm_memories") or 2
         rounds = [after]
-        for _ in range(2):
+        for _ in range(vms + 2):
             for _ in range(8):
                 r = env.h1_one("POST", CHAT, [("content-type", "application/json")], body, timeout=60)
                 env.served(r, "prefix")
             rounds.append(hostile.envoy_memory(env.stack.envoy))
-        print(f"[{env.name}] 2 x 8 more {len(body)}-byte parsed bodies: wasm_rss_kib "
+        print(f"[{env.name}] {len(rounds) - 1} x 8 more {len(body)}-byte parsed bodies: wasm_rss_kib "
               + " -> ".join(str(m["wasm_rss_kib"]) for m in rounds)
               + ", rss_kib " + " -> ".join(str(m["rss_kib"]) for m in rounds))
-        grew = (rounds[2]["wasm_rss_kib"] or 0) - (rounds[1]["wasm_rss_kib"] or 0)
-        assert grew < len(body) // 1024, f"Wasm memory still grew by {grew} KiB in the second round"
+        growth = [(b["wasm_rss_kib"] or 0) - (a["wasm_rss_kib"] or 0) for a, b in zip(rounds[1:], rounds[2:])]
+        assert min(growth) < len(body) // 1024, f"Wasm memory grew in every round after the first: {growth} KiB"
 
 
 # --------------------------------------------------------- the docs table
