@@ -24,10 +24,13 @@ Routers (--routers, comma-separated, in this order by default):
   vllm-sticky-least-loaded  vllm-router, policy sticky_least_loaded
   kvroute               Envoy + the kvroute filter + kvroute-collector (fleet state)
 With --gateways K[,K...], every router runs as K independent instances
-(kvroute: K Envoys, each with its own shared data and its own collector, the
-sidecar layout of the shipped manifests, or with --collector shared one
-collector pushing to all K, which then also carries each gateway's pending
-prefill to the others; Envoy's policies: K Envoys; the peers: K processes)
+(kvroute: K Envoys, each with its own shared data and its own collector,
+which pushes to its own gateway only and reads the other K - 1 gateways'
+in-flight load for its snapshots (--peer-gateways), the sidecar layout of
+the shipped manifests; with --collector sidecar-alone the collectors do not
+read each other's gateways; with --collector shared one collector pushes to
+all K and carries each gateway's pending prefill to the others; Envoy's
+policies: K Envoys; the peers: K processes)
 behind one front Envoy that spreads each request round
 robin over them, as a Kubernetes Service would (no retries at the front).
 The same front stands in front of K = 1, so every figure pays the same hop.
@@ -433,12 +436,24 @@ def deploy(name: str, fleet: Fleet, workdir: Path, args, gateways: int | None) -
         return Deployment(url=r.url, setup=r.setup, instances=[r])
     instances: list[Router] = []
     shared = args.collector == "shared" and is_kvroute(name, args)
+    # Sidecars that read the other replicas' load: each collector needs
+    # the others' ingest URLs, so they start once every instance is up.
+    peers = args.collector == "sidecar" and is_kvroute(name, args) and gateways > 1
     collector = None
     try:
         for i in range(gateways):
             wd = workdir / f"gateway-{i}"
             wd.mkdir(parents=True, exist_ok=True)
-            instances.append(start_router(name, fleet, wd, args, instance=i, with_collector=not shared))
+            instances.append(start_router(name, fleet, wd, args, instance=i,
+                                          with_collector=not (shared or peers)))
+        if peers:
+            for i, r in enumerate(instances):
+                others = [o.ingest_url for o in instances if o is not r]
+                r.collector = harness.Collector(
+                    engines=fleet.addresses, gateways=[r.ingest_url], token=r.ingest_token,
+                    workdir=workdir / f"gateway-{i}", interval_ms=args.collector_ms,
+                    collector_id=f"kvroute-bench-{i}", log_level="warn",
+                    extra_args=["--peer-gateways", ",".join(others)]).start()
         if shared:
             collector = harness.Collector(
                 engines=fleet.addresses, gateways=[r.ingest_url for r in instances],
@@ -455,6 +470,10 @@ def deploy(name: str, fleet: Fleet, workdir: Path, args, gateways: int | None) -
             r.stop()
         raise
     each = instances[0].setup
+    if peers:
+        each = each.replace("fleet state from kvroute-collector",
+                            "fleet state from its own kvroute-collector, which also reads the other "
+                            f"{gateways - 1} gateways' pending prefill")
     if shared:
         each = each.replace("fleet state from kvroute-collector",
                             f"fleet state from one kvroute-collector for all {gateways} (with their pending prefill)")
@@ -509,9 +528,11 @@ def parse_args(argv):
     p.add_argument("--gateways", default=None, metavar="K[,K...]",
                    help="run K independent instances of every router behind a round-robin front Envoy "
                         "(like a Service), once per K, e.g. 1,3; without it each router runs once, no front")
-    p.add_argument("--collector", choices=["sidecar", "shared"], default="sidecar",
-                   help="with --gateways: kvroute's K instances each with its own collector (sidecar, the "
-                        "shipped manifests' layout) or one collector for all of them (shared)")
+    p.add_argument("--collector", choices=["sidecar", "sidecar-alone", "shared"], default="sidecar",
+                   help="with --gateways: kvroute's K instances each with its own collector that also reads "
+                        "the other instances' in-flight load (sidecar, the shipped manifests' layout: "
+                        "--peer-gateways), each with its own collector alone (sidecar-alone), or one collector "
+                        "for all of them (shared)")
     p.add_argument("--local-stack", action="store_true",
                    help="use the local stack's fixed ports (engines 8001.., gateway 10000, admin 9901, "
                         "ingest 10001, collector metrics 9102) instead of free ones")

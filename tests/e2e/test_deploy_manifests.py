@@ -119,6 +119,7 @@ def test_there_are_manifests():
         "envoy-config/istio/gateway.yaml",
         "envoy-config/istio/wasmplugin-example.yaml",
         "envoy-config/istio/shared-collector.yaml",
+        "envoy-config/istio/sidecar-peers.yaml",
         "envoy-config/envoy-gateway/gateway.yaml",
         "envoy-config/envoy-gateway/kvroute-policies.yaml",
     } <= names, names
@@ -494,12 +495,45 @@ def test_istio_shared_collector_consistency():
     collector_pods = collector["spec"]["template"]["metadata"]["labels"]
     assert collector["spec"]["selector"]["matchLabels"].items() <= collector_pods.items()
     assert collector_pods.get("sidecar.istio.io/inject") == "false", "plain HTTP, no mesh proxy"
+    _check_ingest_policy(netpol, cfg, ingest_port, collector_pods)
+
+
+def test_istio_sidecar_peers_consistency():
+    """sidecar-peers.yaml: each gateway pod's collector pushes to its own
+    ingest listener and reads the other pods' load through a headless
+    Service over that port; only gateway pods may reach it."""
+    cfg = istio_bootstrap(Path("/nonexistent.wasm"))
+    _, ingest_listener = cfg["static_resources"]["listeners"]
+    ingest_port = ingest_listener["address"]["socket_address"]["port_value"]
+    gateway = find("Deployment", "kvroute-gateway")
+    gateway_pods = gateway["spec"]["template"]["metadata"]["labels"]
+    svc = find("Service", "kvroute-gateway-peers")
+    assert svc["spec"]["clusterIP"] == "None", "headless: one address per gateway pod"
+    assert svc["spec"]["selector"].items() <= gateway_pods.items()
+    assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(ingest_port, ingest_port)]
+    toml = tomllib.loads(find("ConfigMap", "kvroute-collector-peers")["data"]["collector.toml"])
+    sidecar_cm = next(d for _, d in all_docs() if d["kind"] == "ConfigMap"
+                      and d["metadata"]["name"] == "kvroute-collector" and d["metadata"]["namespace"] == "inference")
+    sidecar = tomllib.loads(sidecar_cm["data"]["collector.toml"])
+    # The sidecar's own config, plus the peers: same gateway, same token.
+    assert toml["gateways"] == sidecar["gateways"] == [f"http://127.0.0.1:{ingest_port}"]
+    assert toml["token-file"] == sidecar["token-file"]
+    ns = svc["metadata"]["namespace"]
+    assert toml["peer-gateway-service"] == [f"http://{svc['metadata']['name']}.{ns}.svc.cluster.local:{ingest_port}"]
+    netpol = find("NetworkPolicy", "kvroute-gateway-peers")["spec"]
+    assert netpol["podSelector"]["matchLabels"].items() <= gateway_pods.items()
+    _check_ingest_policy(netpol, cfg, ingest_port, gateway_pods)
+
+
+def _check_ingest_policy(netpol: dict, cfg: dict, ingest_port: int, readers: dict) -> None:
+    """Only pods labelled like `readers` reach the ingest port; the gateway
+    port is open to everyone."""
     for rule in netpol["ingress"]:
         ports = {p["port"] for p in rule["ports"]}
         if ingest_port in ports:
             assert ports == {ingest_port}
             [peer] = rule["from"]
-            assert peer["podSelector"]["matchLabels"].items() <= collector_pods.items()
+            assert peer["podSelector"]["matchLabels"].items() <= readers.items()
         else:
             assert "from" not in rule
     open_ports = {p["port"] for r in netpol["ingress"] if "from" not in r for p in r["ports"]}
@@ -762,6 +796,7 @@ def test_envoy_gateway_patches_do_what_they_say():
 
 @pytest.mark.parametrize("namespace,name", [("inference", "kvroute-collector"),
                                             ("inference", "kvroute-collector-shared"),
+                                            ("inference", "kvroute-collector-peers"),
                                             ("envoy-gateway-system", "kvroute-collector")])
 def test_collector_accepts_its_configmap(namespace, name, collector_binary, tmp_path: Path):
     """The ConfigMap's TOML, with its token file, is a valid collector config:

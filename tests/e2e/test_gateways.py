@@ -226,19 +226,33 @@ def test_prefill_is_pending_until_the_first_body_byte(stack_factory, wasm_path):
     wait_until(lambda: mine()["memoryTokens"] == 0, 5.0, "the memory released")
 
 
-def test_one_collector_for_both_gateways_shares_their_pending_prefill(stack_factory, wasm_path, collector_binary):
-    """One collector pushing to both gateways reads each one's in-flight
-    load and gives the other its pending prefill per replica: new
-    conversations sent through one gateway avoid the replicas where the
-    other has long prompts waiting for their first byte, though the
-    engines' metrics (pinned, no queue) show nothing of them."""
+@pytest.mark.parametrize("layout", ["shared", "sidecars"])
+def test_the_gateways_share_their_pending_prefill(stack_factory, wasm_path, collector_binary, layout):
+    """One collector pushing to both gateways (shared), or a collector per
+    gateway that pushes to its own and reads the other's load
+    (--peer-gateways: the sidecar layout), gives each gateway the other's
+    pending prefill per replica: new conversations sent through one
+    gateway avoid the replicas where the other has long prompts waiting
+    for their first byte, though the engines' metrics (pinned, no queue)
+    show nothing of them."""
     a = stack_factory(replicas=4, concurrency=2, ingest_token=TOKEN)
     b = stack_factory(fleet_of=a, concurrency=2, ingest_token=TOKEN)
     for host in a.live_hosts:
         a.replica_control(host, ready=True, running=2, models=["test-model"], kv=0.3, waiting=0)
     port = harness.free_ports(1)[0]
-    collector = a.start_collector(binary=collector_binary, gateways=[a.ingest_url, b.ingest_url],
-                                  interval_ms=COLLECTOR_INTERVAL_MS, metrics_port=port, collector_id="shared")
+    if layout == "shared":
+        collector = a.start_collector(binary=collector_binary, gateways=[a.ingest_url, b.ingest_url],
+                                      interval_ms=COLLECTOR_INTERVAL_MS, metrics_port=port, collector_id="shared")
+        readers = {a.ingest_url: collector, b.ingest_url: collector}
+    else:
+        collector = a.start_collector(binary=collector_binary, interval_ms=COLLECTOR_INTERVAL_MS,
+                                      metrics_port=port, collector_id="sidecar-a",
+                                      extra_args=["--peer-gateways", b.ingest_url])
+        other = b.start_collector(binary=collector_binary, interval_ms=COLLECTOR_INTERVAL_MS,
+                                  metrics_port=harness.free_ports(1)[0], collector_id="sidecar-b",
+                                  extra_args=["--peer-gateways", a.ingest_url])
+        # Each sidecar reads the other gateway's load and pushes to its own only.
+        readers = {b.ingest_url: collector, a.ingest_url: other}
     for gw in (a, b):
         wait_until(lambda gw=gw: metric(gw, "kvroute_fleet_hosts") == 4, 10.0, "four replicas in the snapshot")
 
@@ -280,8 +294,13 @@ def test_one_collector_for_both_gateways_shares_their_pending_prefill(stack_fact
     print(f"\n[gateways] b holds prompts on {sorted(loaded)}; a placed 12 new conversations on {Counter(placed)}")
     assert not loaded & set(placed), f"a sent new conversations where b's prompts wait: {Counter(placed)}"
     assert len(set(placed)) >= 2, placed
-    text = harness.http_get(collector.metrics_url)[1]
-    for gw in (a, b):
-        assert f'kvroute_collector_load_reads_total{{gateway="{gw.ingest_url}",result="ok"}}' in text, text
+    for url, reader in readers.items():
+        text = harness.http_get(reader.metrics_url)[1]
+        assert f'kvroute_collector_load_reads_total{{gateway="{url}",result="ok"}}' in text, text
+    if layout == "sidecars":
+        # Nothing pushed to a peer: each gateway's snapshots are its own sidecar's.
+        text = harness.http_get(collector.metrics_url)[1]
+        assert f'gateway="{b.ingest_url}",status=' not in text, text
+        assert "kvroute_collector_peer_gateways 1" in text, text
     for f in held:
         assert f.result().status == 200

@@ -11,7 +11,10 @@
 //! service resolves to. A gateway that appears gets a pusher at once (and
 //! the next snapshot); one that goes away has its pusher stopped and its
 //! load and metrics dropped. With two gateways possible or more, every
-//! pusher shares one load board (push.rs).
+//! pusher shares one load board (push.rs). Peers (`--peer-gateways`, and
+//! every address a peer service resolves to but this collector's own
+//! gateway) get a thread that reads their load onto the board and pushes
+//! nothing.
 //!
 //! When a snapshot is built:
 //!
@@ -239,16 +242,20 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
         .ok_or_else(|| StartError("no ingest token".into()))?;
     // With several gateways, each one's snapshot carries the others'
     // pending prefill (push.rs).
-    let board = (settings.gateways.len() > 1 || !settings.gateway_services.is_empty())
-        .then(|| Arc::new(LoadBoard::new()));
+    let board = (settings.gateways.len() > 1
+        || !settings.gateway_services.is_empty()
+        || !settings.peer_gateways.is_empty()
+        || !settings.peer_services.is_empty())
+    .then(|| Arc::new(LoadBoard::new()));
     let mut pushers = Pushers {
         map: BTreeMap::new(),
         token,
         timeout: settings.push_timeout,
         metrics: Arc::clone(&metrics),
         board,
+        peers: BTreeSet::new(),
     };
-    for gw in &settings.gateways {
+    for gw in settings.gateways.iter().chain(&settings.peer_gateways) {
         pushers
             .add(gw.clone())
             .map_err(|e| StartError(format!("cannot start a push thread: {e}")))?;
@@ -261,43 +268,51 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
     };
     let stop = Arc::new(AtomicBool::new(false));
     let (tx, rx) = mpsc::channel();
-    let gateway_thread = if settings.gateway_services.is_empty() {
-        None
-    } else {
-        let mut services: Vec<_> = settings
-            .gateway_services
-            .iter()
-            .map(|svc| {
-                let d = DnsDiscovery::new(
-                    vec![(svc.host.clone(), svc.port)],
-                    shared(&resolver),
-                    Some(Arc::clone(&metrics)),
-                )
-                .naming("gateway");
-                (svc.clone(), d)
-            })
-            .collect();
-        let look = move || -> Vec<Gateway> {
-            let mut out: Vec<Gateway> = Vec::new();
-            for (svc, d) in &mut services {
-                for addr in d.engines() {
-                    let gw = svc.gateway(addr);
-                    if !out.contains(&gw) {
-                        out.push(gw);
+    let gateway_thread =
+        if settings.gateway_services.is_empty() && settings.peer_services.is_empty() {
+            None
+        } else {
+            let own_ports: Vec<u16> = settings.gateways.iter().filter_map(Gateway::port).collect();
+            let mut services: Vec<_> = settings
+                .gateway_services
+                .iter()
+                .map(|svc| (svc, false))
+                .chain(settings.peer_services.iter().map(|svc| (svc, true)))
+                .map(|(svc, peer)| {
+                    let d = DnsDiscovery::new(
+                        vec![(svc.host.clone(), svc.port)],
+                        shared(&resolver),
+                        Some(Arc::clone(&metrics)),
+                    )
+                    .naming(if peer { "peer gateway" } else { "gateway" });
+                    (svc.clone(), peer, d)
+                })
+                .collect();
+            let look = move || -> Vec<Gateway> {
+                let mut out: Vec<Gateway> = Vec::new();
+                for (svc, peer, d) in &mut services {
+                    for addr in d.engines() {
+                        if *peer && is_own_gateway(addr, &own_ports) {
+                            continue;
+                        }
+                        let gw = svc.gateway(addr);
+                        let gw = if *peer { gw.as_peer() } else { gw };
+                        if !out.iter().any(|g| g.base == gw.base) {
+                            out.push(gw);
+                        }
                     }
                 }
-            }
-            out
+                out
+            };
+            Some(spawn_discovery(
+                "gateway discovery",
+                look,
+                Event::Gateways,
+                &tx,
+                &stop,
+                settings.dns_refresh,
+            )?)
         };
-        Some(spawn_discovery(
-            "gateway discovery",
-            look,
-            Event::Gateways,
-            &tx,
-            &stop,
-            settings.dns_refresh,
-        )?)
-    };
     let (mut disco, dynamic) = discovery::for_targets(
         &settings.engines,
         shared(&resolver),
@@ -462,8 +477,19 @@ impl Loop {
         match ev {
             Event::Engines(list) => self.set_engines(list),
             Event::Gateways(list) => {
-                let fixed = self.settings.gateways.iter().cloned();
-                self.pushers.set(fixed.chain(list), self.latest.as_ref());
+                // Gateways pushed to first: an address both pushed to and
+                // named as a peer is pushed to.
+                let (peers, pushed): (Vec<Gateway>, Vec<Gateway>) =
+                    list.into_iter().partition(|g| g.peer);
+                let s = &self.settings;
+                let wanted = s
+                    .gateways
+                    .iter()
+                    .cloned()
+                    .chain(pushed)
+                    .chain(s.peer_gateways.iter().cloned())
+                    .chain(peers);
+                self.pushers.set(wanted, self.latest.as_ref());
                 false
             }
             Event::Scraped(report) => {
@@ -585,9 +611,25 @@ struct Pushers {
     timeout: Duration,
     metrics: Arc<Metrics>,
     board: Option<Arc<LoadBoard>>,
+    /// The bases in `map` that are peers (read, never pushed to).
+    peers: BTreeSet<String>,
+}
+
+/// Whether `addr`, a peer service's address, is this collector's own
+/// gateway: an address of this machine (it can be bound here; in a pod,
+/// the pod's IP) on the port of one of the gateways it pushes to.
+fn is_own_gateway(addr: SocketAddr, own_ports: &[u16]) -> bool {
+    own_ports.contains(&addr.port())
+        && std::net::UdpSocket::bind(SocketAddr::new(addr.ip(), 0)).is_ok()
 }
 
 impl Pushers {
+    /// Updates the gauges: gateways pushed to, and peers.
+    fn count(&self) {
+        let peers = self.map.keys().filter(|b| self.peers.contains(*b)).count();
+        self.metrics.gateways(self.map.len() - peers, peers);
+    }
+
     /// A pusher for `gw` unless it has one; whether it is new.
     fn add(&mut self, gw: Gateway) -> std::io::Result<bool> {
         if self.map.contains_key(&gw.base) {
@@ -597,6 +639,9 @@ impl Pushers {
         let peers = self.board.as_ref().map(|b| Peers {
             board: Arc::clone(b),
         });
+        if gw.peer {
+            self.peers.insert(base.clone());
+        }
         let p = Pusher::spawn(
             gw,
             self.token.clone(),
@@ -605,7 +650,7 @@ impl Pushers {
             peers,
         )?;
         self.map.insert(base, p);
-        self.metrics.gateways(self.map.len());
+        self.count();
         Ok(true)
     }
 
@@ -625,18 +670,28 @@ impl Pushers {
             if let Some(p) = self.map.remove(&base) {
                 p.stop();
             }
+            let role = if self.peers.remove(&base) {
+                "peer gateway"
+            } else {
+                "gateway"
+            };
             if let Some(b) = &self.board {
                 b.leave(&base);
             }
-            info!("gateway {base}: removed");
+            info!("{role} {base}: removed");
         }
-        self.metrics.gateways(self.map.len());
+        self.count();
         for gw in wanted {
             let base = gw.base.clone();
             match self.add(gw) {
                 Ok(false) => {}
                 Ok(true) => {
-                    info!("gateway {base}: added");
+                    let role = if self.peers.contains(&base) {
+                        "peer gateway"
+                    } else {
+                        "gateway"
+                    };
+                    info!("{role} {base}: added");
                     if let (Some(p), Some(payload)) = (self.map.get(&base), latest) {
                         p.offer(payload.clone());
                     }

@@ -12,6 +12,8 @@
 //! | `engines` | `--engines` (`--engine`) | (required) | `host:port` of each engine; names are re-resolved every `dns-refresh` |
 //! | `gateways` | `--gateways` (`--gateway`) | (this or `gateway-service`) | ingest base URLs, e.g. `http://127.0.0.1:10001`; the snapshot goes to `<url>/v1/fleet/snapshot` |
 //! | `gateway-service` | `--gateway-service` | | ingest base URLs whose host name stands for every gateway replica, e.g. a Kubernetes headless Service over the gateway pods' ingest port (`http://kvroute-gateway-ingest.ns.svc.cluster.local:10001`): each address the name resolves to is one gateway, re-resolved every `dns-refresh` |
+//! | `peer-gateways` | `--peer-gateways` (`--peer-gateway`) | | ingest base URLs of *other* gateway replicas whose in-flight load this collector reads (`GET <url>/v1/fleet/load`) but never pushes to: the sidecar layout, where each gateway pod's collector pushes to its own gateway only, yet its snapshots carry the other replicas' pending prefill (`peerPendingTokens`) |
+//! | `peer-gateway-service` | `--peer-gateway-service` | | the same, by a name that resolves to every gateway replica (the headless Service over the pods' ingest port); an address that is this machine's own (it can be bound here: the pod's IP, in a pod) on the port of one of `gateways` is this collector's own gateway and is left out |
 //! | `token` | `--token` | | ingest bearer token (a flag is visible in `ps`; prefer the file or the environment) |
 //! | `token-file` | `--token-file` | | file holding the token (surrounding whitespace ignored) |
 //! | | env `KVROUTE_INGEST_TOKEN` | | the token |
@@ -80,6 +82,19 @@ pub struct Cli {
     /// gateway replica (a headless Service): each address is one gateway.
     #[arg(long, value_name = "URL", value_delimiter = ',')]
     pub gateway_service: Vec<String>,
+    /// Other gateway replicas' ingest base URLs: their in-flight load is
+    /// read for the snapshots (peerPendingTokens), nothing is pushed to them.
+    #[arg(
+        long,
+        visible_alias = "peer-gateway",
+        value_name = "URL",
+        value_delimiter = ','
+    )]
+    pub peer_gateways: Vec<String>,
+    /// The same, by a name that resolves to every gateway replica; this
+    /// machine's own address on a --gateways port is left out.
+    #[arg(long, value_name = "URL", value_delimiter = ',')]
+    pub peer_gateway_service: Vec<String>,
     /// Ingest bearer token (visible to `ps`: prefer --token-file or KVROUTE_INGEST_TOKEN).
     #[arg(long, value_name = "TOKEN", hide_default_value = true)]
     pub token: Option<String>,
@@ -122,6 +137,8 @@ struct FileConfig {
     engines: Option<Vec<String>>,
     gateways: Option<Vec<String>>,
     gateway_service: Option<Vec<String>>,
+    peer_gateways: Option<Vec<String>>,
+    peer_gateway_service: Option<Vec<String>>,
     token: Option<String>,
     token_file: Option<PathBuf>,
     interval: Option<Dur>,
@@ -215,6 +232,9 @@ pub struct Gateway {
     pub push_url: String,
     /// `<base>/v1/fleet/load`: the gateway's in-flight load.
     pub load_url: String,
+    /// Another replica's gateway: its load is read, nothing is pushed to it
+    /// (`--peer-gateways`).
+    pub peer: bool,
 }
 
 /// The ingest path on a gateway.
@@ -256,6 +276,24 @@ impl Gateway {
             push_url: format!("{root}{INGEST_PATH}"),
             load_url: format!("{root}{LOAD_PATH}"),
             base,
+            peer: false,
+        }
+    }
+
+    /// The same gateway as a peer: read, never pushed to.
+    pub fn as_peer(self) -> Gateway {
+        Gateway { peer: true, ..self }
+    }
+
+    /// The port of its URL (80 when none is written).
+    pub fn port(&self) -> Option<u16> {
+        let rest = self.base.strip_prefix("http://")?;
+        let authority = rest.split(['/', '?', '#']).next()?;
+        match authority.rsplit_once(':') {
+            Some((host, port)) if !host.starts_with('[') || host.ends_with(']') => {
+                port.parse().ok()
+            }
+            _ => Some(80),
         }
     }
 }
@@ -312,6 +350,11 @@ pub struct Settings {
     pub gateways: Vec<Gateway>,
     /// Gateways by a name that resolves to each of them.
     pub gateway_services: Vec<GatewayService>,
+    /// Other gateways whose load is read, never pushed to (each marked
+    /// [`Gateway::peer`]).
+    pub peer_gateways: Vec<Gateway>,
+    /// The same, by a name that resolves to each of them.
+    pub peer_services: Vec<GatewayService>,
     /// `None` only with `once`.
     pub token: Option<Secret>,
     pub interval: Duration,
@@ -333,6 +376,8 @@ impl Settings {
             engines,
             gateways,
             gateway_services: Vec::new(),
+            peer_gateways: Vec::new(),
+            peer_services: Vec::new(),
             token: token.map(|t| Secret(t.to_owned())),
             interval: Duration::from_millis(250),
             push_interval: Duration::from_millis(250),
@@ -375,6 +420,26 @@ fn name_of(key: &str, from: Source<'_>) -> String {
     }
 }
 
+/// Parses each entry of a list key; an error names the key, the entry's
+/// index and value. Repeated entries count once.
+fn parse_list<T: PartialEq>(
+    raw: &[String],
+    key: &str,
+    from: Source<'_>,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<Vec<T>, ConfigError> {
+    let mut out: Vec<T> = Vec::new();
+    for (i, entry) in raw.iter().enumerate() {
+        let v = parse(entry).map_err(|why| {
+            ConfigError(format!("{}[{i}] = {entry:?}: {why}", name_of(key, from)))
+        })?;
+        if !out.contains(&v) {
+            out.push(v);
+        }
+    }
+    Ok(out)
+}
+
 /// Picks the flag's value, else the file's, and says which.
 fn pick<'a, T>(
     flag: Option<T>,
@@ -408,14 +473,7 @@ impl Settings {
         let Some((raw_engines, from)) = engines_from else {
             return Err(err("no engines: give --engines host:port[,host:port...] or engines = [\"host:port\", ...] in the config file".into()));
         };
-        let mut engines = Vec::with_capacity(raw_engines.len());
-        for (i, e) in raw_engines.iter().enumerate() {
-            let t = Target::parse(e)
-                .map_err(|why| err(format!("{}[{i}] = {e:?}: {why}", name_of("engines", from))))?;
-            if !engines.contains(&t) {
-                engines.push(t);
-            }
-        }
+        let engines = parse_list(&raw_engines, "engines", from, Target::parse)?;
 
         // Gateways and token: not needed to print one snapshot (gateways
         // given are still checked).
@@ -437,30 +495,43 @@ impl Settings {
                 return Err(err("no gateways: give --gateways http://127.0.0.1:10001 (or gateways = [\"http://...\"] in the config file), or --gateway-service http://<headless service>:10001 (or --once to print one snapshot)".into()));
             }
             if let Some((raw, from)) = gateways_from {
-                for (i, g) in raw.iter().enumerate() {
-                    let gw = Gateway::parse(g).map_err(|why| {
-                        err(format!("{}[{i}] = {g:?}: {why}", name_of("gateways", from)))
-                    })?;
-                    if !gateways.contains(&gw) {
-                        gateways.push(gw);
-                    }
-                }
+                gateways = parse_list(&raw, "gateways", from, Gateway::parse)?;
             }
             if let Some((raw, from)) = services_from {
-                for (i, g) in raw.iter().enumerate() {
-                    let svc = GatewayService::parse(g).map_err(|why| {
-                        err(format!(
-                            "{}[{i}] = {g:?}: {why}",
-                            name_of("gateway-service", from)
-                        ))
-                    })?;
-                    if !gateway_services.contains(&svc) {
-                        gateway_services.push(svc);
-                    }
-                }
+                gateway_services =
+                    parse_list(&raw, "gateway-service", from, GatewayService::parse)?;
             }
             if !cli.once {
                 token = Some(resolve_token(cli, &file, path, env_token)?);
+            }
+        }
+
+        // Peers: gateways whose load is read for the snapshots (checked
+        // with --once too, which reads and pushes nothing).
+        let mut peer_gateways: Vec<Gateway> = Vec::new();
+        let mut peer_services = Vec::new();
+        {
+            let peers_from = pick(
+                (!cli.peer_gateways.is_empty()).then(|| cli.peer_gateways.clone()),
+                file.peer_gateways.clone().filter(|g| !g.is_empty()),
+                path,
+            );
+            if let Some((raw, from)) = peers_from {
+                // A gateway pushed to is not also a peer.
+                peer_gateways = parse_list(&raw, "peer-gateways", from, Gateway::parse)?
+                    .into_iter()
+                    .filter(|g| !gateways.contains(g))
+                    .map(Gateway::as_peer)
+                    .collect();
+            }
+            let peer_services_from = pick(
+                (!cli.peer_gateway_service.is_empty()).then(|| cli.peer_gateway_service.clone()),
+                file.peer_gateway_service.clone().filter(|g| !g.is_empty()),
+                path,
+            );
+            if let Some((raw, from)) = peer_services_from {
+                peer_services =
+                    parse_list(&raw, "peer-gateway-service", from, GatewayService::parse)?;
             }
         }
 
@@ -579,6 +650,8 @@ impl Settings {
             engines,
             gateways,
             gateway_services,
+            peer_gateways,
+            peer_services,
             token,
             interval,
             push_interval,
@@ -746,6 +819,7 @@ mod tests {
                 base: "http://127.0.0.1:10001".into(),
                 push_url: "http://127.0.0.1:10001/v1/fleet/snapshot".into(),
                 load_url: "http://127.0.0.1:10001/v1/fleet/load".into(),
+                peer: false,
             }]
         );
         assert_eq!(s.token.as_ref().map(Secret::expose), Some("t0k3n"));
@@ -931,6 +1005,59 @@ metrics-addr = "127.0.0.1:0"
             "http://10.0.0.1:1",
         ]);
         assert!(e.unwrap_err().starts_with("--gateway-service[0]"));
+    }
+
+    #[test]
+    fn peer_gateways() {
+        let base = ["--engines", "127.0.0.1:1", "--token", "t"];
+        let with = |extra: &[&str]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            resolve(&v)
+        };
+        let s = with(&[
+            "--gateways",
+            "http://127.0.0.1:10001",
+            "--peer-gateway",
+            "http://10.0.0.2:10001/,http://127.0.0.1:10001",
+            "--peer-gateway",
+            "http://10.0.0.2:10001",
+            "--peer-gateway-service",
+            "http://gw-ingest.kvroute.svc:10001",
+        ])
+        .unwrap();
+        // The gateway pushed to is not also a peer; repeats count once.
+        assert_eq!(s.peer_gateways.len(), 1);
+        assert_eq!(s.peer_gateways[0].base, "http://10.0.0.2:10001");
+        assert!(s.peer_gateways[0].peer && !s.gateways[0].peer);
+        assert_eq!(s.peer_services[0].host, "gw-ingest.kvroute.svc");
+        // Peers alone push to nothing: still no gateways.
+        let e = with(&["--peer-gateway", "http://10.0.0.2:10001"]).unwrap_err();
+        assert!(e.contains("no gateways"), "{e}");
+        let e = with(&[
+            "--gateways",
+            "http://127.0.0.1:1",
+            "--peer-gateways",
+            "https://x:1",
+        ])
+        .unwrap_err();
+        assert!(
+            e.starts_with("--peer-gateways[0]") && e.contains("https"),
+            "{e}"
+        );
+        let e = with(&[
+            "--gateways",
+            "http://127.0.0.1:1",
+            "--peer-gateway-service",
+            "http://10.0.0.1:1",
+        ])
+        .unwrap_err();
+        assert!(e.starts_with("--peer-gateway-service[0]"), "{e}");
+        let port = |u: &str| Gateway::parse(u).unwrap().port();
+        assert_eq!(port("http://127.0.0.1:10001/x"), Some(10001));
+        assert_eq!(port("http://gw"), Some(80));
+        assert_eq!(port("http://[fd00::1]:9"), Some(9));
+        assert_eq!(port("http://[fd00::1]"), Some(80));
     }
 
     #[test]

@@ -19,6 +19,11 @@
 //!        ^ gateways come and go with gateway discovery (--gateway-service, DNS)
 //! ```
 //!
+//! In the sidecar layout (a collector in each gateway pod, pushing to its
+//! own gateway only) `--peer-gateway-service` names the other replicas:
+//! their in-flight load is read for the snapshots, nothing is pushed to
+//! them ([`push`]).
+//!
 //! Modules:
 //!
 //! - [`config`]: TOML file, flags and environment, validated into `Settings`;

@@ -50,6 +50,18 @@ fn main() -> ExitCode {
                 .iter()
                 .map(|s| format!("{} (service)", s.base)),
         )
+        .chain(
+            settings
+                .peer_gateways
+                .iter()
+                .map(|g| format!("{} (peer)", g.base)),
+        )
+        .chain(
+            settings
+                .peer_services
+                .iter()
+                .map(|s| format!("{} (peer service)", s.base)),
+        )
         .collect();
     info!(
         "kvroute-collector {} as {:?}: engines [{}], gateways [{}], interval {:?}, timeout {:?}, metrics on {}",

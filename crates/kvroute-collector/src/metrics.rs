@@ -9,10 +9,11 @@
 //! | `kvroute_collector_engines_discovered` | gauge | | engines known |
 //! | `kvroute_collector_engines_ready` | gauge | | engines reported ready |
 //! | `kvroute_collector_gateways` | gauge | | gateways pushed to: the configured ones plus those the gateway services resolve to |
+//! | `kvroute_collector_peer_gateways` | gauge | | peer gateways whose load is read and never pushed to (`--peer-gateways`, `--peer-gateway-service`) |
 //! | `kvroute_collector_pushes_total` | counter | `gateway`, `status` | push results: the HTTP status (`204`, `401`, `409`, ...) or the transport failure (`timeout`, `refused`, ...) |
 //! | `kvroute_collector_push_duration_seconds` | histogram | | one push |
 //! | `kvroute_collector_last_push_timestamp_seconds` | gauge | `gateway` | last push the gateway accepted (2xx), Unix time |
-//! | `kvroute_collector_load_reads_total` | counter | `gateway`, `result` | reads of a gateway's in-flight load (`GET /v1/fleet/load`, with two gateways or more, or a gateway service): `ok`, the HTTP status, `invalid`, or the transport failure |
+//! | `kvroute_collector_load_reads_total` | counter | `gateway`, `result` | reads of a gateway's in-flight load (`GET /v1/fleet/load`, with two gateways or more, a gateway service, or peers): `ok`, the HTTP status, `invalid`, or the transport failure |
 //! | `kvroute_collector_snapshot_seq` | gauge | | `seq` of the latest snapshot built |
 //! | `kvroute_collector_dns_failures_total` | counter | `name` | failed lookups of an engine name or a gateway service |
 //!
@@ -71,6 +72,7 @@ struct Inner {
     engines_discovered: usize,
     engines_ready: usize,
     gateways: usize,
+    peer_gateways: usize,
     pushes: BTreeMap<(String, String), u64>,
     push_seconds: Histogram,
     last_push_ok_ms: BTreeMap<String, u64>,
@@ -131,8 +133,11 @@ impl Metrics {
         m.load_reads.retain(|(g, _), _| g != gateway);
     }
 
-    pub fn gateways(&self, n: usize) {
-        self.lock().gateways = n;
+    /// Gateways pushed to, and peers read only.
+    pub fn gateways(&self, pushed: usize, peers: usize) {
+        let mut m = self.lock();
+        m.gateways = pushed;
+        m.peer_gateways = peers;
     }
 
     pub fn engines(&self, discovered: usize, ready: usize) {
@@ -228,6 +233,13 @@ impl Metrics {
             "Gateways pushed to (configured plus resolved).",
         );
         let _ = writeln!(out, "kvroute_collector_gateways {}", m.gateways);
+        header(
+            &mut out,
+            "kvroute_collector_peer_gateways",
+            "gauge",
+            "Peer gateways whose in-flight load is read, never pushed to.",
+        );
+        let _ = writeln!(out, "kvroute_collector_peer_gateways {}", m.peer_gateways);
         per_gateway(
             &mut out,
             "kvroute_collector_pushes_total",

@@ -30,6 +30,15 @@
 //! in `kvroute_collector_load_reads_total`; a change of result is logged.
 //! Gateways found through `--gateway-service` join the board when their
 //! address appears and leave it when it goes.
+//!
+//! **Peers** (`--peer-gateways`, `--peer-gateway-service`): gateways that
+//! another collector pushes to, as in the sidecar layout where each gateway
+//! pod has its own collector. A peer gets a thread like a pushed gateway,
+//! which reads its load at each round and joins the board, but never
+//! pushes to it; so a sidecar's snapshots carry the other replicas'
+//! pending prefill as a shared collector's do. Each sidecar reads every
+//! other replica: N gateway pods make N x (N - 1) small GETs per push
+//! interval.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
@@ -346,6 +355,11 @@ fn run(
                 if last_load.as_deref() != Some(label.as_str()) {
                     if label == "ok" {
                         info!("gateway {}: reading its in-flight load", gateway.base);
+                    } else if gateway.peer {
+                        warn!(
+                            "peer gateway {}: cannot read its in-flight load ({label}); the gateways pushed to get none of it",
+                            gateway.base
+                        );
                     } else {
                         warn!(
                             "gateway {}: cannot read its in-flight load ({label}); the other gateways get none of it",
@@ -353,6 +367,10 @@ fn run(
                         );
                     }
                     last_load = Some(label);
+                }
+                if gateway.peer {
+                    // Read only: another collector pushes to it.
+                    continue;
                 }
                 p.board.wait_round(payload.snapshot.taken_at_ms, READ_WAIT);
                 match p.board.others(&gateway.base, now_ms()) {
@@ -362,6 +380,9 @@ fn run(
             }
             None => Arc::clone(&payload.body),
         };
+        if gateway.peer {
+            continue; // no board: nothing to read it for
+        }
         let started = Instant::now();
         let outcome = post(&agent, &gateway.push_url, &auth, &body);
         if slot.lock().stop {

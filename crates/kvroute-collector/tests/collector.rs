@@ -536,3 +536,94 @@ fn a_gateway_service_pushes_to_each_address_it_resolves_to() {
     );
     running.stop();
 }
+
+/// The sidecar layout: a collector pushes to its own gateway only and
+/// names the replicas by a peer service. The service resolves to every
+/// replica, its own gateway included (this machine's address on the port
+/// of the gateway it pushes to), which is left out: its snapshots carry
+/// the other replica's pending prefill, not its own gateway's again, and
+/// nothing is pushed to the peer. A static peer is read the same way.
+#[test]
+fn a_sidecar_reads_its_peers_load_and_pushes_only_to_its_own_gateway() {
+    let ok = Arc::new(AtomicU16::new(200));
+    let (e1, e2) = (
+        engine(VLLM_METRICS, ok.clone()),
+        engine(VLLM_METRICS, ok.clone()),
+    );
+    let (gw_own, gw_peer, gw_static) = (
+        gateway_with_load(Arc::new(Mutex::new(load_body(e1.addr, 3000)))),
+        gateway_with_load(Arc::new(Mutex::new(load_body(e2.addr, 700)))),
+        gateway_with_load(Arc::new(Mutex::new(load_body(e1.addr, 50)))),
+    );
+    let records = vec![gw_own.addr, gw_peer.addr];
+    let resolver: Resolver = Box::new(move |host, _port| {
+        if host != "replicas.test" {
+            return Err(std::io::Error::other(format!("unexpected lookup {host}")));
+        }
+        // Each replica on its own loopback port, as the bench runs them.
+        Ok(records.clone())
+    });
+    let mut s = settings(vec![Target::Addr(e1.addr), Target::Addr(e2.addr)], &gw_own);
+    // Its own gateway written with the ingest path: not the base the
+    // service gives the same gateway, so only the address check knows
+    // them for one (as 127.0.0.1 and the pod's IP in a pod).
+    s.gateways =
+        vec![Gateway::parse(&format!("http://{}/v1/fleet/snapshot", gw_own.addr)).unwrap()];
+    s.peer_services =
+        vec![kvroute_collector::config::GatewayService::parse("http://replicas.test:1").unwrap()];
+    s.dns_refresh = Duration::from_millis(100);
+    s.push_interval = Duration::from_millis(50);
+    let running = kvroute_collector::start_with(s, resolver).unwrap();
+    let metrics_addr = running.metrics_addr().unwrap();
+    let peer = |s: &Snapshot, addr: SocketAddr| host(s, addr).peer_pending_tokens;
+
+    assert!(
+        wait_until(Duration::from_secs(5), || posted(&gw_own).iter().any(|s| s
+            .hosts
+            .len()
+            == 2
+            && peer(s, e2.addr) == Some(700))),
+        "no push with the peer's 700 tokens: {:?}",
+        posted(&gw_own)
+    );
+    // Its own gateway's 3000 tokens on e1 are not counted as a peer's.
+    let last = posted(&gw_own).pop().unwrap();
+    assert_eq!(
+        peer(&last, e1.addr),
+        Some(0),
+        "own load counted as a peer's"
+    );
+    assert!(posted(&gw_peer).is_empty(), "a peer was pushed to");
+    assert!(metric_line_present(
+        metrics_addr,
+        "kvroute_collector_gateways 1"
+    ));
+    assert!(metric_line_present(
+        metrics_addr,
+        "kvroute_collector_peer_gateways 1"
+    ));
+    assert!(metric_line_present(
+        metrics_addr,
+        &format!(
+            "kvroute_collector_load_reads_total{{gateway=\"http://{}\",result=\"ok\"}}",
+            gw_peer.addr
+        )
+    ));
+    running.stop();
+
+    // A static peer: read, never pushed to.
+    let mut s = settings(vec![Target::Addr(e1.addr), Target::Addr(e2.addr)], &gw_own);
+    s.peer_gateways = vec![Gateway::parse(&format!("http://{}", gw_static.addr))
+        .unwrap()
+        .as_peer()];
+    s.push_interval = Duration::from_millis(50);
+    let running = kvroute_collector::start(s).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(5), || posted(&gw_own).iter().any(
+            |s| peer(s, e1.addr) == Some(50) && peer(s, e2.addr) == Some(0)
+        )),
+        "no push with the static peer's 50 tokens"
+    );
+    assert!(posted(&gw_static).is_empty(), "a static peer was pushed to");
+    running.stop();
+}

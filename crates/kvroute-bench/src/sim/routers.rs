@@ -189,8 +189,11 @@ pub const ORACLE_SHARED_LOAD: &str = "kvroute-oracle-shared-load";
 /// gateways' pending prefill per replica in its snapshot
 /// (`peerPendingTokens`, which the filter drains at `prefillTokensPerS`
 /// from the host's scrape time), as the real collector does when it pushes
-/// to several gateways (kvroute-collector, push.rs). The default layout,
-/// a collector per gateway, gets none of it; that is `kvroute`
+/// to several gateways (kvroute-collector, push.rs). With
+/// `--collectors per-gateway` it is the sidecar layout whose collectors
+/// read the other gateways' load (`--peer-gateway-service`): each gateway
+/// gets the others' figures at its own collector's push. A collector that
+/// reads no other gateway gets none of it; that is `kvroute`
 /// (docs/fleet-state.md, "Several gateways: what the gap is"). At K = 1 it
 /// is kvroute.
 pub const PEER_PENDING: &str = "kvroute-peer-pending";
