@@ -522,6 +522,9 @@ def test_istio_sidecar_peers_consistency():
     assert toml["peer-gateway-service"] == [f"http://{svc['metadata']['name']}.{ns}.svc.cluster.local:{ingest_port}"]
     netpol = find("NetworkPolicy", "kvroute-gateway-peers")["spec"]
     assert netpol["podSelector"]["matchLabels"].items() <= gateway_pods.items()
+    # The policy selects the gateway pods, where the sidecar serves its metrics.
+    metrics_port = int(toml["metrics-addr"].rsplit(":", 1)[1])
+    assert metrics_port in {p["port"] for r in netpol["ingress"] if "from" not in r for p in r["ports"]}
     _check_ingest_policy(netpol, cfg, ingest_port, gateway_pods)
 
 

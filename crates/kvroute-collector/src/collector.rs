@@ -255,9 +255,22 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
         board,
         peers: BTreeSet::new(),
     };
-    for gw in settings.gateways.iter().chain(&settings.peer_gateways) {
+    let own_ports: Vec<u16> = settings.gateways.iter().filter_map(Gateway::port).collect();
+    // A static peer that is this machine's own gateway (one list of every
+    // replica, given to each) is left out, as from a peer service.
+    let mut settings = settings;
+    settings
+        .peer_gateways
+        .retain(|g| !g.addr().is_some_and(|a| is_own_gateway(a, &own_ports)));
+    for gw in one_per_endpoint(
+        settings
+            .gateways
+            .iter()
+            .chain(&settings.peer_gateways)
+            .cloned(),
+    ) {
         pushers
-            .add(gw.clone())
+            .add(gw)
             .map_err(|e| StartError(format!("cannot start a push thread: {e}")))?;
     }
     // Engine and gateway discovery share the resolver.
@@ -272,7 +285,7 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
         if settings.gateway_services.is_empty() && settings.peer_services.is_empty() {
             None
         } else {
-            let own_ports: Vec<u16> = settings.gateways.iter().filter_map(Gateway::port).collect();
+            let own_ports = own_ports.clone();
             let mut services: Vec<_> = settings
                 .gateway_services
                 .iter()
@@ -615,6 +628,16 @@ struct Pushers {
     peers: BTreeSet<String>,
 }
 
+/// `gateways` less the entries whose endpoint an earlier one already
+/// names (`http://a:1` and `http://a:1/v1/fleet/snapshot` are one gateway).
+fn one_per_endpoint(gateways: impl IntoIterator<Item = Gateway>) -> Vec<Gateway> {
+    let mut seen = BTreeSet::new();
+    gateways
+        .into_iter()
+        .filter(|g| seen.insert(g.load_url.clone()))
+        .collect()
+}
+
 /// Whether `addr`, a peer service's address, is this collector's own
 /// gateway: an address of this machine (it can be bound here; in a pod,
 /// the pod's IP) on the port of one of the gateways it pushes to.
@@ -639,9 +662,7 @@ impl Pushers {
         let peers = self.board.as_ref().map(|b| Peers {
             board: Arc::clone(b),
         });
-        if gw.peer {
-            self.peers.insert(base.clone());
-        }
+        let peer = gw.peer;
         let p = Pusher::spawn(
             gw,
             self.token.clone(),
@@ -649,6 +670,9 @@ impl Pushers {
             Arc::clone(&self.metrics),
             peers,
         )?;
+        if peer {
+            self.peers.insert(base.clone());
+        }
         self.map.insert(base, p);
         self.count();
         Ok(true)
@@ -656,14 +680,17 @@ impl Pushers {
 
     /// Makes the pushers those of `wanted`: new gateways get a pusher (and
     /// `latest`, if any), gone ones lose theirs (which then drops their
-    /// metric series).
+    /// metric series), and one whose role changed (pushed to, or a peer)
+    /// gets a new thread in its new role. One thread per endpoint: of
+    /// entries that reach the same one (written differently), the first
+    /// wins, so list the gateways pushed to first.
     fn set(&mut self, wanted: impl IntoIterator<Item = Gateway>, latest: Option<&Payload>) {
-        let wanted: Vec<Gateway> = wanted.into_iter().collect();
-        let keep: BTreeSet<&str> = wanted.iter().map(|g| g.base.as_str()).collect();
+        let wanted = one_per_endpoint(wanted);
+        let role: BTreeMap<&str, bool> = wanted.iter().map(|g| (g.base.as_str(), g.peer)).collect();
         let gone: Vec<String> = self
             .map
             .keys()
-            .filter(|b| !keep.contains(b.as_str()))
+            .filter(|b| role.get(b.as_str()) != Some(&self.peers.contains(*b)))
             .cloned()
             .collect();
         for base in gone {
@@ -751,6 +778,36 @@ mod tests {
         let mut restarted = SeqGen::default();
         assert!(restarted.next(5001) > 5000);
         assert_eq!(SeqGen::default().next(0), 1); // never 0
+    }
+
+    /// A peer service's address is this collector's own gateway when it is
+    /// local and on a port it pushes to; an address of no interface here
+    /// (TEST-NET-1) or another port is a peer.
+    #[test]
+    fn own_gateway_is_a_local_address_on_an_own_port() {
+        let own = |a: &str| is_own_gateway(a.parse().unwrap(), &[10001]);
+        assert!(own("127.0.0.1:10001"));
+        assert!(!own("127.0.0.1:10002"));
+        assert!(!own("192.0.2.1:10001"));
+    }
+
+    /// Entries that reach one endpoint keep the first; roles are kept.
+    #[test]
+    fn one_thread_per_endpoint() {
+        let gw = |u: &str| Gateway::parse(u).unwrap();
+        let kept = one_per_endpoint([
+            gw("http://127.0.0.1:10001"),
+            gw("http://127.0.0.1:10001/v1/fleet/snapshot").as_peer(),
+            gw("http://10.0.0.2:10001").as_peer(),
+        ]);
+        let bases: Vec<(&str, bool)> = kept.iter().map(|g| (g.base.as_str(), g.peer)).collect();
+        assert_eq!(
+            bases,
+            [
+                ("http://127.0.0.1:10001", false),
+                ("http://10.0.0.2:10001", true)
+            ]
+        );
     }
 
     fn scrape(addr: &str, health: Option<u16>, metrics: Option<EngineMetrics>, at: u64) -> Scrape {

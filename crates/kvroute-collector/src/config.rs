@@ -285,6 +285,12 @@ impl Gateway {
         Gateway { peer: true, ..self }
     }
 
+    /// Its authority as an IP address and port, when it is written so.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        let rest = self.base.strip_prefix("http://")?;
+        rest.split(['/', '?', '#']).next()?.parse().ok()
+    }
+
     /// The port of its URL (80 when none is written).
     pub fn port(&self) -> Option<u16> {
         let rest = self.base.strip_prefix("http://")?;
@@ -520,7 +526,7 @@ impl Settings {
                 // A gateway pushed to is not also a peer.
                 peer_gateways = parse_list(&raw, "peer-gateways", from, Gateway::parse)?
                     .into_iter()
-                    .filter(|g| !gateways.contains(g))
+                    .filter(|g| !gateways.iter().any(|o: &Gateway| o.load_url == g.load_url))
                     .map(Gateway::as_peer)
                     .collect();
             }
@@ -1031,6 +1037,20 @@ metrics-addr = "127.0.0.1:0"
         assert_eq!(s.peer_gateways[0].base, "http://10.0.0.2:10001");
         assert!(s.peer_gateways[0].peer && !s.gateways[0].peer);
         assert_eq!(s.peer_services[0].host, "gw-ingest.kvroute.svc");
+        // The gateway pushed to, written with its ingest path, is not a peer.
+        let s = with(&[
+            "--gateways",
+            "http://127.0.0.1:10001",
+            "--peer-gateway",
+            "http://127.0.0.1:10001/v1/fleet/snapshot",
+        ])
+        .unwrap();
+        assert!(s.peer_gateways.is_empty(), "{:?}", s.peer_gateways);
+        assert_eq!(
+            Gateway::parse("http://127.0.0.1:10001/x").unwrap().addr(),
+            Some("127.0.0.1:10001".parse().unwrap())
+        );
+        assert_eq!(Gateway::parse("http://gw:1").unwrap().addr(), None);
         // Peers alone push to nothing: still no gateways.
         let e = with(&["--peer-gateway", "http://10.0.0.2:10001"]).unwrap_err();
         assert!(e.contains("no gateways"), "{e}");

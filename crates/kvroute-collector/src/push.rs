@@ -36,9 +36,9 @@
 //! pod has its own collector. A peer gets a thread like a pushed gateway,
 //! which reads its load at each round and joins the board, but never
 //! pushes to it; so a sidecar's snapshots carry the other replicas'
-//! pending prefill as a shared collector's do. Each sidecar reads every
-//! other replica: N gateway pods make N x (N - 1) small GETs per push
-//! interval.
+//! pending prefill as a shared collector's do. Each sidecar reads its own
+//! gateway and every other replica: N gateway pods make N x N small GETs
+//! per push interval, N x (N - 1) of them across pods.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;

@@ -565,8 +565,8 @@ fn a_sidecar_reads_its_peers_load_and_pushes_only_to_its_own_gateway() {
     });
     let mut s = settings(vec![Target::Addr(e1.addr), Target::Addr(e2.addr)], &gw_own);
     // Its own gateway written with the ingest path: not the base the
-    // service gives the same gateway, so only the address check knows
-    // them for one (as 127.0.0.1 and the pod's IP in a pod).
+    // service gives the same gateway (in a pod, 127.0.0.1 and the pod's
+    // IP differ altogether; `is_own_gateway`'s unit test covers that).
     s.gateways =
         vec![Gateway::parse(&format!("http://{}/v1/fleet/snapshot", gw_own.addr)).unwrap()];
     s.peer_services =
@@ -611,11 +611,17 @@ fn a_sidecar_reads_its_peers_load_and_pushes_only_to_its_own_gateway() {
     ));
     running.stop();
 
-    // A static peer: read, never pushed to.
+    // A static peer: read, never pushed to. One list of every replica,
+    // its own gateway included (written with the ingest path here): its
+    // own is left out, so e1 carries the peer's 50 tokens, not 3050.
     let mut s = settings(vec![Target::Addr(e1.addr), Target::Addr(e2.addr)], &gw_own);
-    s.peer_gateways = vec![Gateway::parse(&format!("http://{}", gw_static.addr))
-        .unwrap()
-        .as_peer()];
+    s.peer_gateways = [
+        format!("http://{}", gw_static.addr),
+        format!("http://{}/v1/fleet/snapshot", gw_own.addr),
+    ]
+    .iter()
+    .map(|u| Gateway::parse(u).unwrap().as_peer())
+    .collect();
     s.push_interval = Duration::from_millis(50);
     let running = kvroute_collector::start(s).unwrap();
     assert!(
@@ -625,5 +631,40 @@ fn a_sidecar_reads_its_peers_load_and_pushes_only_to_its_own_gateway() {
         "no push with the static peer's 50 tokens"
     );
     assert!(posted(&gw_static).is_empty(), "a static peer was pushed to");
+    running.stop();
+
+    // A peer that a gateway service comes to name is pushed to from then on.
+    let records = Arc::new(Mutex::new(vec![gw_own.addr]));
+    let answer = records.clone();
+    let resolver: Resolver = Box::new(move |_host, _port| Ok(answer.lock().unwrap().clone()));
+    let mut s = settings(vec![Target::Addr(e1.addr), Target::Addr(e2.addr)], &gw_own);
+    s.gateways.clear();
+    s.gateway_services =
+        vec![kvroute_collector::config::GatewayService::parse("http://gateways.test:1").unwrap()];
+    s.peer_gateways = vec![Gateway::parse(&format!("http://{}", gw_static.addr))
+        .unwrap()
+        .as_peer()];
+    s.dns_refresh = Duration::from_millis(100);
+    s.push_interval = Duration::from_millis(50);
+    let running = kvroute_collector::start_with(s, resolver).unwrap();
+    let metrics_addr = running.metrics_addr().unwrap();
+    assert!(metric_line_present(
+        metrics_addr,
+        "kvroute_collector_peer_gateways 1"
+    ));
+    assert!(posted(&gw_static).is_empty(), "a peer was pushed to");
+    records.lock().unwrap().push(gw_static.addr);
+    assert!(
+        wait_until(Duration::from_secs(5), || !posted(&gw_static).is_empty()),
+        "a peer the service names is not pushed to"
+    );
+    assert!(metric_line_present(
+        metrics_addr,
+        "kvroute_collector_peer_gateways 0"
+    ));
+    assert!(metric_line_present(
+        metrics_addr,
+        "kvroute_collector_gateways 2"
+    ));
     running.stop();
 }
