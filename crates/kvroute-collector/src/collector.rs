@@ -253,7 +253,6 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
         timeout: settings.push_timeout,
         metrics: Arc::clone(&metrics),
         board,
-        peers: BTreeSet::new(),
     };
     let own_ports: Vec<u16> = settings.gateways.iter().filter_map(Gateway::port).collect();
     // A static peer that is this machine's own gateway (one list of every
@@ -308,11 +307,10 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
                         if *peer && is_own_gateway(addr, &own_ports) {
                             continue;
                         }
+                        // Repeats are dropped where the list is applied
+                        // (`Pushers::set`, one thread per endpoint).
                         let gw = svc.gateway(addr);
-                        let gw = if *peer { gw.as_peer() } else { gw };
-                        if !out.iter().any(|g| g.base == gw.base) {
-                            out.push(gw);
-                        }
+                        out.push(if *peer { gw.as_peer() } else { gw });
                     }
                 }
                 out
@@ -587,7 +585,7 @@ impl Loop {
             body: Arc::new(snap.to_json()),
             snapshot: Arc::new(snap),
         };
-        for p in self.pushers.map.values() {
+        for (p, _) in self.pushers.map.values() {
             p.offer(payload.clone());
         }
         self.latest = Some(payload);
@@ -604,6 +602,7 @@ impl Loop {
         // Likewise the pushers: each may be in a push up to its timeout.
         let pushers: Vec<Pusher> = std::mem::take(&mut self.pushers.map)
             .into_values()
+            .map(|(p, _)| p)
             .collect();
         for p in &pushers {
             p.signal_stop();
@@ -619,13 +618,22 @@ impl Loop {
 
 /// The pushers by gateway base URL, and what a new one needs.
 struct Pushers {
-    map: BTreeMap<String, Pusher>,
+    /// Each gateway's thread, and whether the gateway is a peer (read,
+    /// never pushed to).
+    map: BTreeMap<String, (Pusher, bool)>,
     token: crate::config::Secret,
     timeout: Duration,
     metrics: Arc<Metrics>,
     board: Option<Arc<LoadBoard>>,
-    /// The bases in `map` that are peers (read, never pushed to).
-    peers: BTreeSet<String>,
+}
+
+/// How a gateway is named in log lines.
+fn role_name(peer: bool) -> &'static str {
+    if peer {
+        "peer gateway"
+    } else {
+        "gateway"
+    }
 }
 
 /// `gateways` less the entries whose endpoint an earlier one already
@@ -649,7 +657,7 @@ fn is_own_gateway(addr: SocketAddr, own_ports: &[u16]) -> bool {
 impl Pushers {
     /// Updates the gauges: gateways pushed to, and peers.
     fn count(&self) {
-        let peers = self.map.keys().filter(|b| self.peers.contains(*b)).count();
+        let peers = self.map.values().filter(|(_, peer)| *peer).count();
         self.metrics.gateways(self.map.len() - peers, peers);
     }
 
@@ -670,10 +678,7 @@ impl Pushers {
             Arc::clone(&self.metrics),
             peers,
         )?;
-        if peer {
-            self.peers.insert(base.clone());
-        }
-        self.map.insert(base, p);
+        self.map.insert(base, (p, peer));
         self.count();
         Ok(true)
     }
@@ -689,19 +694,17 @@ impl Pushers {
         let role: BTreeMap<&str, bool> = wanted.iter().map(|g| (g.base.as_str(), g.peer)).collect();
         let gone: Vec<String> = self
             .map
-            .keys()
-            .filter(|b| role.get(b.as_str()) != Some(&self.peers.contains(*b)))
+            .iter()
+            .filter(|(b, (_, peer))| role.get(b.as_str()) != Some(peer))
+            .map(|(b, _)| b)
             .cloned()
             .collect();
         for base in gone {
-            if let Some(p) = self.map.remove(&base) {
-                p.stop();
-            }
-            let role = if self.peers.remove(&base) {
-                "peer gateway"
-            } else {
-                "gateway"
+            let Some((p, peer)) = self.map.remove(&base) else {
+                continue;
             };
+            p.stop();
+            let role = role_name(peer);
             if let Some(b) = &self.board {
                 b.leave(&base);
             }
@@ -713,13 +716,11 @@ impl Pushers {
             match self.add(gw) {
                 Ok(false) => {}
                 Ok(true) => {
-                    let role = if self.peers.contains(&base) {
-                        "peer gateway"
-                    } else {
-                        "gateway"
+                    let Some((p, peer)) = self.map.get(&base) else {
+                        continue;
                     };
-                    info!("{role} {base}: added");
-                    if let (Some(p), Some(payload)) = (self.map.get(&base), latest) {
+                    info!("{} {base}: added", role_name(*peer));
+                    if let Some(payload) = latest {
                         p.offer(payload.clone());
                     }
                 }

@@ -287,20 +287,25 @@ impl Gateway {
 
     /// Its authority as an IP address and port, when it is written so.
     pub fn addr(&self) -> Option<SocketAddr> {
-        let rest = self.base.strip_prefix("http://")?;
-        rest.split(['/', '?', '#']).next()?.parse().ok()
+        self.authority()?.parse().ok()
     }
 
     /// The port of its URL (80 when none is written).
     pub fn port(&self) -> Option<u16> {
-        let rest = self.base.strip_prefix("http://")?;
-        let authority = rest.split(['/', '?', '#']).next()?;
-        match authority.rsplit_once(':') {
+        match self.authority()?.rsplit_once(':') {
             Some((host, port)) if !host.starts_with('[') || host.ends_with(']') => {
                 port.parse().ok()
             }
             _ => Some(80),
         }
+    }
+}
+
+impl Gateway {
+    /// `host[:port]` of its URL.
+    fn authority(&self) -> Option<&str> {
+        let rest = self.base.strip_prefix("http://")?;
+        rest.split(['/', '?', '#']).next()
     }
 }
 

@@ -79,7 +79,7 @@ const READ_WAIT: Duration = Duration::from_millis(25);
 
 #[derive(Debug, Clone, Default)]
 struct Read {
-    /// When this gateway's load was last asked for (read or failed).
+    /// When this gateway's last read ended (answered or failed).
     tried_ms: u64,
     /// The last good read and when it was made; `None` after a failure.
     load: Option<(u64, LoadReport)>,
