@@ -130,8 +130,15 @@ struct SuiteArgs {
     /// Reuse the runs whose report.json and timing.json are already under --out.
     #[arg(long)]
     resume: bool,
+    /// Seeds of the fleet-size section: with several (`1,2,3`) every run is
+    /// made once per seed and the tables give the median.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    seed: Vec<u64>,
+    /// Runs made at once, one thread each (the scale series always runs one
+    /// at a time); the modelled figures are the same at any value, the
+    /// wall-time columns are not.
     #[arg(long, default_value_t = 1)]
-    seed: u64,
+    jobs: usize,
     /// Only these workloads ("mooncake" and family names; default: all).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -787,7 +794,8 @@ fn run_suite(a: &SuiteArgs) -> Result<ExitCode, String> {
         scale_family: a.scale_family.clone(),
         scale_routers: a.scale_routers.clone(),
         scale_duration_s: a.scale_duration,
-        seed: a.seed,
+        seeds: a.seed.clone(),
+        jobs: a.jobs,
         command,
         resume: a.resume,
         only: a.only.clone(),

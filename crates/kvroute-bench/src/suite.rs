@@ -2,6 +2,14 @@
 //! family and the Mooncake trace through kvroute and every modelled peer at
 //! one fleet size and K = 1 and 4 gateways, then a fleet-size series, and
 //! `docs/simulation.md` with its tables and plots.
+//!
+//! With several seeds (`--seed 1,2,3`) every family is generated and every
+//! run made once per seed; the tables give the median over the seeds, and
+//! a scoreboard puts kvroute against the best modelled peer seed by seed.
+//! One seed can mislead: on the agent family a handful of requests decide
+//! whether TTFT p95 falls on the warm turns or on the cold first turns, and
+//! p95 moves several-fold between seeds for kvroute and consistent hashing
+//! alike (docs/fleet-state.md).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -35,7 +43,13 @@ pub struct SuiteOptions {
     pub scale_family: String,
     pub scale_routers: Vec<String>,
     pub scale_duration_s: f64,
-    pub seed: u64,
+    /// The seeds of the fleet-size section (at least one; the scale series
+    /// runs with the first).
+    pub seeds: Vec<u64>,
+    /// Runs of the fleet-size section made at once, one thread each. The
+    /// modelled figures do not depend on it; the wall-time and decision-CPU
+    /// columns do (the scale series always runs alone, one run at a time).
+    pub jobs: usize,
     /// The line that reproduces the run, for the docs.
     pub command: String,
     /// Reuse a run whose report.json (and timing.json) is already in `out`.
@@ -52,6 +66,7 @@ pub struct Row {
     pub workload: String,
     pub replicas: usize,
     pub gateways: usize,
+    pub seed: u64,
     pub router: String,
     pub requests: u64,
     pub errors: u64,
@@ -72,11 +87,12 @@ pub struct Row {
 }
 
 impl Row {
-    fn new(workload: &str, replicas: usize, s: &RunSummary, t: &Timing) -> Self {
+    fn new(workload: &str, replicas: usize, seed: u64, s: &RunSummary, t: &Timing) -> Self {
         Self {
             workload: workload.to_owned(),
             replicas,
             gateways: s.gateways,
+            seed,
             router: s.router.clone(),
             requests: s.requests,
             errors: s.errors,
@@ -162,6 +178,7 @@ fn compare(
                     Row::new(
                         name,
                         o.engines,
+                        o.seed,
                         s,
                         &timing.get(i).cloned().unwrap_or_default(),
                     )
@@ -192,7 +209,7 @@ fn compare(
             s.requests,
             started.elapsed().as_secs_f64()
         );
-        rows.push(Row::new(name, o.engines, &s, &t));
+        rows.push(Row::new(name, o.engines, o.seed, &s, &t));
         runs.push(s);
         timings.push(t);
     }
@@ -223,9 +240,11 @@ fn compare(
 /// Runs the suite; returns every row.
 pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
     let started = Instant::now();
+    let Some(&first_seed) = o.seeds.first() else {
+        return Err("--seed: give at least one seed".to_owned());
+    };
     std::fs::create_dir_all(&o.out).map_err(|e| format!("{}: {e}", o.out.display()))?;
     let mut rows = Vec::new();
-    let mut workloads: Vec<(String, Workload)> = Vec::new();
     if let Some(bad) = o
         .only
         .iter()
@@ -237,44 +256,116 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
         ));
     }
     let wanted = |name: &str| o.only.is_empty() || o.only.iter().any(|w| w == name);
-    if let Some(t) = o.trace.as_ref().filter(|_| wanted("mooncake")) {
-        workloads.push(("mooncake".to_owned(), trace_workload(t, o.replicas)?));
-    }
-    for f in families::FAMILIES.iter().filter(|f| wanted(f)) {
-        let wl = families::generate(
-            f,
-            &FamilyOptions {
-                replicas: o.replicas,
-                duration_s: o.duration_s,
-                load: 1.0,
-                seed: o.seed,
-            },
-        )?;
-        workloads.push(((*f).to_owned(), wl));
-    }
-    let total = workloads.len() * o.gateways.len();
-    let mut done = 0;
-    for (name, wl) in &workloads {
-        for &k in &o.gateways {
-            done += 1;
-            eprintln!(
-                "suite [{done}/{total}] {name}: {} requests, {} replicas, K = {k} ({:.0} s so far)",
-                wl.requests(),
-                o.replicas,
-                started.elapsed().as_secs_f64()
-            );
-            let dir = o.out.join(format!("{name}-n{}-k{k}", o.replicas));
-            rows.extend(compare(
-                name,
-                wl,
-                &o.routers,
-                &options(o.replicas, k, o.seed),
-                &dir,
-                true,
-                o.resume,
-                &o.kvroute_config,
-            )?);
+    let trace = match o.trace.as_ref().filter(|_| wanted("mooncake")) {
+        Some(t) => Some(trace_workload(t, o.replicas)?),
+        None => None,
+    };
+    let names: Vec<&str> = trace
+        .iter()
+        .map(|_| "mooncake")
+        .chain(families::FAMILIES.iter().copied().filter(|f| wanted(f)))
+        .collect();
+    // Every family for every seed first (the families are generated again
+    // for each seed; the trace is the trace, and the seed still moves its
+    // gateway spread and workers), then the runs as one list of items that
+    // `jobs` threads take in turn. Rows come back in the list's order
+    // whatever the threads did.
+    let mut generated: Vec<(u64, &str, Workload)> = Vec::new();
+    for &seed in &o.seeds {
+        for f in families::FAMILIES.iter().filter(|f| wanted(f)) {
+            let wl = families::generate(
+                f,
+                &FamilyOptions {
+                    replicas: o.replicas,
+                    duration_s: o.duration_s,
+                    load: 1.0,
+                    seed,
+                },
+            )?;
+            generated.push((seed, f, wl));
         }
+    }
+    let mut items: Vec<(u64, &str, &Workload, usize)> = Vec::new();
+    for &seed in &o.seeds {
+        let of_seed = trace.iter().map(|t| ("mooncake", t)).chain(
+            generated
+                .iter()
+                .filter(|(s, _, _)| *s == seed)
+                .map(|(_, n, w)| (*n, w)),
+        );
+        for (name, wl) in of_seed {
+            for &k in &o.gateways {
+                items.push((seed, name, wl, k));
+            }
+        }
+    }
+    let total = items.len();
+    debug_assert_eq!(total, names.len() * o.gateways.len() * o.seeds.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let item_rows = |i: usize| -> Result<Vec<Row>, String> {
+        let Some(&(seed, name, wl, k)) = items.get(i) else {
+            return Ok(Vec::new());
+        };
+        eprintln!(
+            "suite [{}/{total}] {name}: {} requests, {} replicas, K = {k}, seed {seed} ({:.0} s so far)",
+            i + 1,
+            wl.requests(),
+            o.replicas,
+            started.elapsed().as_secs_f64()
+        );
+        // One seed keeps the directory names of a single run.
+        let dir = if o.seeds.len() > 1 {
+            o.out.join(format!("{name}-n{}-k{k}-s{seed}", o.replicas))
+        } else {
+            o.out.join(format!("{name}-n{}-k{k}", o.replicas))
+        };
+        compare(
+            name,
+            wl,
+            &o.routers,
+            &options(o.replicas, k, seed),
+            &dir,
+            true,
+            o.resume,
+            &o.kvroute_config,
+        )
+    };
+    let worker = || {
+        let mut done = Vec::new();
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if i >= total {
+                return done;
+            }
+            let r = item_rows(i);
+            let failed = r.is_err();
+            done.push((i, r));
+            if failed {
+                // Stop taking items; the others finish theirs.
+                next.store(total, std::sync::atomic::Ordering::Relaxed);
+                return done;
+            }
+        }
+    };
+    let jobs = o.jobs.clamp(1, total.max(1));
+    let mut results: Vec<(usize, Result<Vec<Row>, String>)> = if jobs == 1 {
+        worker()
+    } else {
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..jobs).map(|_| sc.spawn(worker)).collect();
+            handles
+                .into_iter()
+                .flat_map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        vec![(usize::MAX, Err("a suite thread panicked".to_owned()))]
+                    })
+                })
+                .collect()
+        })
+    };
+    results.sort_by_key(|(i, _)| *i);
+    for (_, r) in results {
+        rows.extend(r?);
     }
     for &n in &o.scale {
         let wl = families::generate(
@@ -283,7 +374,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
                 replicas: n,
                 duration_s: o.scale_duration_s,
                 load: 1.0,
-                seed: o.seed,
+                seed: first_seed,
             },
         )?;
         eprintln!(
@@ -298,7 +389,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
             &name,
             &wl,
             &o.scale_routers,
-            &options(n, 1, o.seed),
+            &options(n, 1, first_seed),
             &dir,
             n <= 64,
             o.resume,
@@ -316,9 +407,77 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
     Ok(rows)
 }
 
-fn plots(o: &SuiteOptions, rows: &[Row]) -> Result<(), String> {
-    let names: Vec<String> = rows
+/// The median of `v` (the mean of the middle two for an even count; NaN
+/// when empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => v.get(n / 2).copied().unwrap_or(f64::NAN),
+        _ => {
+            let a = v.get(n / 2 - 1).copied().unwrap_or(f64::NAN);
+            let b = v.get(n / 2).copied().unwrap_or(f64::NAN);
+            (a + b) / 2.0
+        }
+    }
+}
+
+/// One router on one workload at one K, over the seeds: the medians the
+/// tables and plots show.
+#[derive(Debug, Clone)]
+struct Cell<'a> {
+    runs: Vec<&'a Row>,
+    p95_ms: f64,
+    p95_over_floor: f64,
+    hit_rate: f64,
+    lru_ceiling: f64,
+}
+
+impl Cell<'_> {
+    fn hit_of_lru(&self) -> f64 {
+        if self.lru_ceiling > 0.0 {
+            self.hit_rate / self.lru_ceiling
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The fleet-size section's runs of `router` on workload `w` at K = `k`,
+/// over every seed (None when there are none).
+fn cell<'a>(
+    o: &SuiteOptions,
+    rows: &'a [Row],
+    w: &str,
+    k: usize,
+    router: &str,
+) -> Option<Cell<'a>> {
+    let runs: Vec<&Row> = rows
         .iter()
+        .filter(|x| {
+            x.workload == w
+                && x.gateways == k
+                && x.replicas == o.replicas
+                && routers::canonical(&x.router) == router
+        })
+        .collect();
+    if runs.is_empty() {
+        return None;
+    }
+    let of = |f: fn(&Row) -> f64| median(runs.iter().map(|x| f(x)).collect());
+    Some(Cell {
+        p95_ms: of(|x| x.ttft_p95_ms),
+        p95_over_floor: of(|x| x.p95_over_floor),
+        hit_rate: of(|x| x.hit_rate),
+        lru_ceiling: of(|x| x.lru_ceiling),
+        runs,
+    })
+}
+
+/// The workloads of the fleet-size section, in run order.
+fn workload_names(rows: &[Row]) -> Vec<String> {
+    rows.iter()
         .filter(|r| !r.workload.starts_with("scale:"))
         .map(|r| r.workload.clone())
         .fold(Vec::new(), |mut v, w| {
@@ -326,16 +485,12 @@ fn plots(o: &SuiteOptions, rows: &[Row]) -> Result<(), String> {
                 v.push(w);
             }
             v
-        });
-    let routers_: Vec<String> = o.routers.clone();
-    let find = |w: &str, k: usize, r: &str| {
-        rows.iter().find(|x| {
-            x.workload == w
-                && x.gateways == k
-                && x.replicas == o.replicas
-                && routers::canonical(&x.router) == r
         })
-    };
+}
+
+fn plots(o: &SuiteOptions, rows: &[Row]) -> Result<(), String> {
+    let names = workload_names(rows);
+    let routers_: Vec<String> = o.routers.clone();
     for &k in &o.gateways {
         let series: Vec<(String, Vec<f64>)> = routers_
             .iter()
@@ -344,7 +499,7 @@ fn plots(o: &SuiteOptions, rows: &[Row]) -> Result<(), String> {
                     r.clone(),
                     names
                         .iter()
-                        .map(|w| find(w, k, r).map_or(0.0, |x| x.p95_over_floor))
+                        .map(|w| cell(o, rows, w, k, r).map_or(0.0, |c| c.p95_over_floor))
                         .collect(),
                 )
             })
@@ -370,14 +525,8 @@ fn plots(o: &SuiteOptions, rows: &[Row]) -> Result<(), String> {
                 .map(|&k| {
                     let hits: Vec<f64> = names
                         .iter()
-                        .filter_map(|w| find(w, k, r))
-                        .map(|x| {
-                            if x.lru_ceiling > 0.0 {
-                                x.hit_rate / x.lru_ceiling
-                            } else {
-                                0.0
-                            }
-                        })
+                        .filter_map(|w| cell(o, rows, w, k, r))
+                        .map(|c| c.hit_of_lru())
                         .collect();
                     hits.iter().sum::<f64>() / hits.len().max(1) as f64
                 })
@@ -462,6 +611,16 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
          numbers.\n",
         o.command, wall_s
     );
+    if o.seeds.len() > 1 {
+        let seeds: Vec<String> = o.seeds.iter().map(u64::to_string).collect();
+        let _ = writeln!(
+            s,
+            "Every workload ran once per seed ({}): a family is generated again for each, and the seed \
+             also draws each request's gateway instance. The tables give the **median over the seeds**; \
+             every run is in the last table.\n",
+            seeds.join(", ")
+        );
+    }
     let _ = writeln!(
         s,
         "- hit rate: prompt tokens cached at each request's first admission / prompt tokens; \
@@ -471,16 +630,7 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
          - requests are spread over the K gateway instances at random per request; one collector pushes \
          every 250 ms to every gateway.\n"
     );
-    let names: Vec<String> = rows
-        .iter()
-        .filter(|r| !r.workload.starts_with("scale:"))
-        .map(|r| r.workload.clone())
-        .fold(Vec::new(), |mut v, w| {
-            if !v.contains(&w) {
-                v.push(w);
-            }
-            v
-        });
+    let names = workload_names(rows);
     let _ = writeln!(
         s,
         "## TTFT p95 / floor per workload ({} replicas)\n",
@@ -500,27 +650,18 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
         for r in &o.routers {
             let _ = write!(s, "| {r} |");
             for w in &names {
-                let col: Vec<&Row> = rows
+                let best = o
+                    .routers
                     .iter()
-                    .filter(|x| &x.workload == w && x.gateways == k && x.replicas == o.replicas)
-                    .collect();
-                let best = col
-                    .iter()
-                    .map(|x| x.p95_over_floor)
+                    .filter_map(|r| cell(o, rows, w, k, r))
+                    .map(|c| c.p95_over_floor)
                     .fold(f64::MAX, f64::min);
-                match col
-                    .iter()
-                    .find(|x| routers::canonical(&x.router) == r.as_str())
-                {
+                match cell(o, rows, w, k, r) {
                     Some(x) if x.p95_over_floor == best => {
-                        let _ = write!(
-                            s,
-                            " **{:.1}x** ({:.0} ms) |",
-                            x.p95_over_floor, x.ttft_p95_ms
-                        );
+                        let _ = write!(s, " **{:.1}x** ({:.0} ms) |", x.p95_over_floor, x.p95_ms);
                     }
                     Some(x) => {
-                        let _ = write!(s, " {:.1}x ({:.0} ms) |", x.p95_over_floor, x.ttft_p95_ms);
+                        let _ = write!(s, " {:.1}x ({:.0} ms) |", x.p95_over_floor, x.p95_ms);
                     }
                     None => {
                         let _ = write!(s, " - |");
@@ -546,20 +687,14 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
         for r in &o.routers {
             let _ = write!(s, "| {r} |");
             for w in &names {
-                match rows.iter().find(|x| {
-                    &x.workload == w
-                        && x.gateways == k
-                        && x.replicas == o.replicas
-                        && routers::canonical(&x.router) == r.as_str()
-                }) {
+                match cell(o, rows, w, k, r) {
                     Some(x) => {
-                        let share = if x.lru_ceiling > 0.0 {
-                            x.hit_rate / x.lru_ceiling
-                        } else {
-                            0.0
-                        };
-                        let _ =
-                            write!(s, " {:.1} % ({:.0} %) |", 100.0 * x.hit_rate, 100.0 * share);
+                        let _ = write!(
+                            s,
+                            " {:.1} % ({:.0} %) |",
+                            100.0 * x.hit_rate,
+                            100.0 * x.hit_of_lru()
+                        );
                     }
                     None => {
                         let _ = write!(s, " - |");
@@ -571,19 +706,21 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
         let _ = writeln!(s);
     }
     let _ = writeln!(s, "![hit rate against K](simulation/hit-vs-gateways.svg)\n");
+    scoreboard(&mut s, o, rows, &names);
     let _ = writeln!(s, "## Every run\n");
     let _ = writeln!(
         s,
-        "| workload | N | K | router | requests | TTFT p50 / p95 / p99 ms | p95 / p99 over floor | hit rate | LRU / unbounded ceiling | queue p95 ms | preemptions | KV spread |"
+        "| workload | N | K | seed | router | requests | TTFT p50 / p95 / p99 ms | p95 / p99 over floor | hit rate | LRU / unbounded ceiling | queue p95 ms | preemptions | KV spread |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for x in rows {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.1}x / {:.1}x | {:.1} % | {:.1} % / {:.1} % | {:.0} | {:.0} | {:.3} |",
+            "| {} | {} | {} | {} | {} | {} | {:.0} / {:.0} / {:.0} | {:.1}x / {:.1}x | {:.1} % | {:.1} % / {:.1} % | {:.0} | {:.0} | {:.3} |",
             x.workload,
             x.replicas,
             x.gateways,
+            x.seed,
             x.router,
             x.requests,
             x.ttft_p50_ms,
@@ -642,4 +779,117 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
         let _ = writeln!(s, "\n![hit rate against fleet size](simulation/scale-hit.svg)\n\n![p95 against fleet size](simulation/scale-p95.svg)\n");
     }
     s
+}
+
+/// kvroute against the best modelled peer, per workload and K: the ratios
+/// the placement policy's targets are written in (docs/fleet-state.md). The best peer is the one with the
+/// lowest median p95 (for the hit rate, the highest median); per seed, the
+/// ratio is against that seed's best peer. Nothing when kvroute or every
+/// peer is missing.
+fn scoreboard(s: &mut String, o: &SuiteOptions, rows: &[Row], names: &[String]) {
+    const OURS: &str = "kvroute";
+    let peers: Vec<&String> = o.routers.iter().filter(|r| !r.starts_with(OURS)).collect();
+    if peers.is_empty() || !o.routers.iter().any(|r| r == OURS) {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "## kvroute against the best modelled peer ({} replicas)\n",
+        o.replicas
+    );
+    let _ = writeln!(
+        s,
+        "TTFT p95 over the best modelled peer's (lowest median p95; per seed, that seed's best peer), \
+         and hit rate over the best peer's (highest median hit rate); at K > 1 also over kvroute's own \
+         hit rate at K = {}. Below 1.0 on p95 and above 100 % on hit rate, kvroute is ahead.\n",
+        o.gateways.first().copied().unwrap_or(1)
+    );
+    let _ = writeln!(
+        s,
+        "| workload | K | kvroute p95 ms | best peer (p95 ms) | p95 ratio | per seed | kvroute hit | best peer hit | hit ratio | hit vs own K = {} |",
+        o.gateways.first().copied().unwrap_or(1)
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|");
+    for w in names {
+        for &k in &o.gateways {
+            let Some(ours) = cell(o, rows, w, k, OURS) else {
+                continue;
+            };
+            let cells: Vec<(&String, Cell<'_>)> = peers
+                .iter()
+                .filter_map(|p| cell(o, rows, w, k, p).map(|c| (*p, c)))
+                .collect();
+            let Some((fast_name, fast)) = cells
+                .iter()
+                .min_by(|a, b| a.1.p95_ms.total_cmp(&b.1.p95_ms))
+            else {
+                continue;
+            };
+            let Some((hit_name, hit)) = cells
+                .iter()
+                .max_by(|a, b| a.1.hit_rate.total_cmp(&b.1.hit_rate))
+            else {
+                continue;
+            };
+            // Per seed: kvroute's p95 over the best peer's of the same seed.
+            let per_seed: Vec<String> = ours
+                .runs
+                .iter()
+                .filter_map(|x| {
+                    let best = cells
+                        .iter()
+                        .flat_map(|(_, c)| c.runs.iter())
+                        .filter(|p| p.seed == x.seed)
+                        .map(|p| p.ttft_p95_ms)
+                        .fold(f64::INFINITY, f64::min);
+                    (best.is_finite() && best > 0.0).then(|| format!("{:.2}", x.ttft_p95_ms / best))
+                })
+                .collect();
+            let ratio = |a: f64, b: f64| {
+                if b > 0.0 {
+                    format!("{:.2}x", a / b)
+                } else {
+                    "-".to_owned()
+                }
+            };
+            let share = |a: f64, b: f64| {
+                if b > 0.0 {
+                    format!("{:.0} %", 100.0 * a / b)
+                } else {
+                    "-".to_owned()
+                }
+            };
+            let own = match o.gateways.first() {
+                Some(&k1) if k1 != k => cell(o, rows, w, k1, OURS)
+                    .map_or("-".to_owned(), |c| share(ours.hit_rate, c.hit_rate)),
+                _ => "-".to_owned(),
+            };
+            let _ = writeln!(
+                s,
+                "| {w} | {k} | {:.0} | {} ({:.0}) | {} | {} | {:.1} % | {} ({:.1} %) | {} | {own} |",
+                ours.p95_ms,
+                fast_name,
+                fast.p95_ms,
+                ratio(ours.p95_ms, fast.p95_ms),
+                per_seed.join(", "),
+                100.0 * ours.hit_rate,
+                hit_name,
+                100.0 * hit.hit_rate,
+                share(ours.hit_rate, hit.hit_rate),
+            );
+        }
+    }
+    let _ = writeln!(s);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_even_and_empty() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(Vec::new()).is_nan());
+    }
 }

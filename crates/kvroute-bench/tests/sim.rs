@@ -267,3 +267,87 @@ fn gateways_share_load(name: &str) {
     );
     assert!(!routers::ALL.contains(&name), "not in the default list");
 }
+
+/// The suite over two seeds: one run per seed of every router, the tables
+/// at the median, and the scoreboard with a ratio per seed that matches the
+/// runs.
+#[test]
+fn the_suite_runs_every_seed_and_scores_kvroute_per_seed() {
+    use kvroute_bench::suite::{self, SuiteOptions};
+    let out = std::env::temp_dir().join(format!("kvroute-suite-seeds-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let o = SuiteOptions {
+        out: out.clone(),
+        docs: None,
+        trace: None,
+        replicas: 4,
+        gateways: vec![1, 2],
+        duration_s: 10.0,
+        routers: vec!["round-robin".to_owned(), "kvroute".to_owned()],
+        scale: vec![],
+        scale_family: "chat".to_owned(),
+        scale_routers: vec![],
+        scale_duration_s: 0.0,
+        seeds: vec![1, 2],
+        jobs: 2,
+        command: "test".to_owned(),
+        resume: false,
+        only: vec!["groups".to_owned()],
+        kvroute_config: serde_json::json!({}),
+    };
+    let rows = suite::run(&o).unwrap();
+    // 1 workload x 2 K x 2 seeds x 2 routers.
+    assert_eq!(rows.len(), 8);
+    for seed in [1, 2] {
+        assert_eq!(rows.iter().filter(|r| r.seed == seed).count(), 4);
+        assert!(out
+            .join(format!("groups-n4-k2-s{seed}/report.json"))
+            .exists());
+    }
+    // The seeds generate different workloads.
+    let requests = |seed| rows.iter().find(|r| r.seed == seed).unwrap().requests;
+    assert_ne!(requests(1), requests(2));
+    let md = std::fs::read_to_string(out.join("simulation.md")).unwrap();
+    assert!(md.contains("median over the seeds"), "{md}");
+    // The scoreboard's row for K = 1: kvroute's p95 over round robin's, per
+    // seed, as the runs give them.
+    let p95 = |seed, router: &str| {
+        rows.iter()
+            .find(|r| r.seed == seed && r.gateways == 1 && r.router.starts_with(router))
+            .unwrap()
+            .ttft_p95_ms
+    };
+    let per_seed = format!(
+        "{:.2}, {:.2}",
+        p95(1, "kvroute") / p95(1, "round-robin"),
+        p95(2, "kvroute") / p95(2, "round-robin")
+    );
+    let line = md
+        .lines()
+        .find(|l| l.starts_with("| groups | 1 |") && l.contains("round-robin"))
+        .expect("a scoreboard row for groups at K = 1");
+    assert!(line.contains(&per_seed), "{line} lacks {per_seed}");
+    // One run at a time gives the same modelled figures, in the same order.
+    let alone = suite::run(&SuiteOptions {
+        out: out.join("alone"),
+        jobs: 1,
+        ..o.clone()
+    })
+    .unwrap();
+    let modelled = |r: &suite::Row| {
+        (
+            r.workload.clone(),
+            r.gateways,
+            r.seed,
+            r.router.clone(),
+            r.requests,
+            r.ttft_p95_ms.to_bits(),
+            r.hit_rate.to_bits(),
+        )
+    };
+    assert_eq!(
+        rows.iter().map(modelled).collect::<Vec<_>>(),
+        alone.iter().map(modelled).collect::<Vec<_>>()
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
