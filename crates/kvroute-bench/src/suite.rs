@@ -260,11 +260,6 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
         Some(t) => Some(trace_workload(t, o.replicas)?),
         None => None,
     };
-    let names: Vec<&str> = trace
-        .iter()
-        .map(|_| "mooncake")
-        .chain(families::FAMILIES.iter().copied().filter(|f| wanted(f)))
-        .collect();
     // Every family for every seed first (the families are generated again
     // for each seed; the trace is the trace, and the seed still moves its
     // gateway spread and workers), then the runs as one list of items that
@@ -300,7 +295,6 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
         }
     }
     let total = items.len();
-    debug_assert_eq!(total, names.len() * o.gateways.len() * o.seeds.len());
     let next = std::sync::atomic::AtomicUsize::new(0);
     let item_rows = |i: usize| -> Result<Vec<Row>, String> {
         let Some(&(seed, name, wl, k)) = items.get(i) else {
@@ -348,21 +342,17 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
         }
     };
     let jobs = o.jobs.clamp(1, total.max(1));
-    let mut results: Vec<(usize, Result<Vec<Row>, String>)> = if jobs == 1 {
-        worker()
-    } else {
-        std::thread::scope(|sc| {
-            let handles: Vec<_> = (0..jobs).map(|_| sc.spawn(worker)).collect();
-            handles
-                .into_iter()
-                .flat_map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        vec![(usize::MAX, Err("a suite thread panicked".to_owned()))]
-                    })
+    let mut results: Vec<(usize, Result<Vec<Row>, String>)> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..jobs).map(|_| sc.spawn(worker)).collect();
+        handles
+            .into_iter()
+            .flat_map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    vec![(usize::MAX, Err("a suite thread panicked".to_owned()))]
                 })
-                .collect()
-        })
-    };
+            })
+            .collect()
+    });
     results.sort_by_key(|(i, _)| *i);
     for (_, r) in results {
         rows.extend(r?);
@@ -436,11 +426,17 @@ struct Cell<'a> {
 
 impl Cell<'_> {
     fn hit_of_lru(&self) -> f64 {
-        if self.lru_ceiling > 0.0 {
-            self.hit_rate / self.lru_ceiling
-        } else {
-            0.0
-        }
+        share_of_lru(self.hit_rate, self.lru_ceiling)
+    }
+}
+
+/// A hit rate as a share of the LRU ceiling (0 where the ceiling is 0:
+/// nothing could be cached).
+fn share_of_lru(hit_rate: f64, lru_ceiling: f64) -> f64 {
+    if lru_ceiling > 0.0 {
+        hit_rate / lru_ceiling
+    } else {
+        0.0
     }
 }
 
@@ -565,13 +561,7 @@ fn plots(o: &SuiteOptions, rows: &[Row]) -> Result<(), String> {
                 "scale-hit.svg",
                 "Hit rate / LRU ceiling against fleet size",
                 "hit rate / ceiling",
-                (&|x: &Row| {
-                    if x.lru_ceiling > 0.0 {
-                        x.hit_rate / x.lru_ceiling
-                    } else {
-                        0.0
-                    }
-                }) as &dyn Fn(&Row) -> f64,
+                (&|x: &Row| share_of_lru(x.hit_rate, x.lru_ceiling)) as &dyn Fn(&Row) -> f64,
             ),
             (
                 "scale-p95.svg",
@@ -751,11 +741,7 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
         let _ = writeln!(s, "| N | router | requests | hit rate / LRU ceiling | TTFT p95 / floor | KV spread | kvroute decision mean / p99 µs | wall s |");
         let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
         for x in rows.iter().filter(|x| x.workload.starts_with("scale:")) {
-            let share = if x.lru_ceiling > 0.0 {
-                x.hit_rate / x.lru_ceiling
-            } else {
-                0.0
-            };
+            let share = share_of_lru(x.hit_rate, x.lru_ceiling);
             let cpu = if x.decision_mean_us > 0.0 {
                 format!("{:.1} / {:.1}", x.decision_mean_us, x.decision_p99_us)
             } else {
