@@ -214,6 +214,10 @@ pub struct Facts {
     /// `affinityBlocks` blocks come before the end of its first user
     /// message (a long shared prefix).
     pub shared_prefix: Option<SharedPrefix>,
+    /// For a request that continues a conversation: the whole blocks of
+    /// its previous request's prompt (the canonical stream before the last
+    /// answer), when they reach into the first user message's text.
+    pub previous_blocks: Option<usize>,
 }
 
 /// A long prefix a session's request shares with others, and how much of
@@ -250,6 +254,8 @@ struct Sink {
     key: Option<u64>,
     /// Canonical bytes before the first user message.
     first_user_at: Option<u64>,
+    /// Canonical bytes before the last answer.
+    answer_at: Option<u64>,
     text_bytes: u64,
     token_ids: u64,
 }
@@ -279,6 +285,10 @@ impl CanonicalSink for Sink {
         if self.first_user_at.is_none() {
             self.first_user_at = Some(self.hasher.total_bytes());
         }
+    }
+
+    fn answer_starts(&mut self) {
+        self.answer_at = Some(self.hasher.total_bytes());
     }
 
     fn anchor(&mut self) {
@@ -341,6 +351,7 @@ pub fn analyze(
         cut: (cfg.affinity_blocks as u64).saturating_mul(cfg.block_bytes as u64),
         key: None,
         first_user_at: None,
+        answer_at: None,
         text_bytes: 0,
         token_ids: 0,
     };
@@ -364,6 +375,20 @@ pub fn analyze(
         }),
         _ => None,
     };
+    // The previous prompt's whole blocks must reach into the first user
+    // message's text: blocks of a shared system prompt say nothing of
+    // where the conversation was served.
+    let bb = cfg.block_bytes.max(1) as u64;
+    let previous_blocks = sink
+        .answer_at
+        .map(|at| at / bb)
+        .filter(|&whole| {
+            whole * bb
+                > sink
+                    .first_user_at
+                    .map_or(u64::MAX, |a| a + request::USER_HEADER)
+        })
+        .map(|whole| whole as usize);
     let input_tokens = sink.text_bytes.div_ceil(cfg.bytes_per_token) + sink.token_ids;
     let output_tokens = parsed
         .max_tokens
@@ -380,6 +405,7 @@ pub fn analyze(
         non_text_parts: parsed.non_text_parts,
         continues: parsed.continues(),
         shared_prefix,
+        previous_blocks,
     })
 }
 
@@ -680,14 +706,25 @@ fn scored(
         .map(|r| r.id);
     let input = facts.input_tokens as f64;
     let need = facts.memory();
+    let blocks = facts.blocks.len();
+    // Whether this gateway's index shows `id` served the previous request
+    // of the conversation: it was sent that request's whole prompt.
+    let previous = facts.previous_blocks.map_or(0, |p| p.min(blocks));
+    let served = |&(_, d): &(u64, u32)| previous > 0 && d as usize >= previous;
+    // The index shows another replica served the conversation's previous
+    // request (from this gateway), and the home did not: the home's
+    // assumed share does not apply, the index's evidence decides.
+    let elsewhere = hits.iter().any(served)
+        && home.is_some_and(|h| !hits.iter().any(|hit| hit.0 == h && served(hit)));
     let cands: Vec<Candidate> = replicas
         .iter()
         .map(|r| {
             let indexed = indexed_share(hits, r.id, facts.blocks.len());
             // The home is assumed to hold what every gateway sent there
             // under this key; the index's own evidence elsewhere wins when
-            // it is deeper.
-            let share = if home == Some(r.id) {
+            // it is deeper, and the assumption is dropped when the index
+            // shows the previous turn went elsewhere.
+            let share = if home == Some(r.id) && !elsewhere {
                 indexed.max(f.home_cached_share)
             } else {
                 indexed
@@ -845,7 +882,8 @@ pub fn route(
                 ttl_ms: cfg.fleet.prefix_ttl_ms,
                 key_prefix: &cfg.fleet.index_key_prefix,
             };
-            let (hits, seen) = index.lookup_seen(store, cache, &facts.blocks, now_ms);
+            let (hits, seen) =
+                index.lookup_seen(store, cache, &facts.blocks, facts.previous_blocks, now_ms);
             // A long shared prefix that carries less than a replica's share
             // of the traffic is the affinity key: its sessions co-locate.
             let affinity = match facts.shared_prefix {
@@ -1013,6 +1051,82 @@ mod tests {
 
     fn facts(body: &[u8], session: Option<&str>) -> Facts {
         analyze(&cfg(), Endpoint::ChatCompletions, session, body).unwrap()
+    }
+
+    /// The previous request's prompt is the canonical stream before the
+    /// last run of answers, counted in whole blocks; it is known only when
+    /// those blocks reach into the first user message's text.
+    #[test]
+    fn a_continuing_prompt_says_where_its_previous_request_ended() {
+        let c = cfg();
+        let bb = c.block_bytes;
+        let system = "s".repeat(3 * bb);
+        let first = "question ".repeat(bb / 3);
+        let turn1 =
+            json!([{"role": "system", "content": system}, {"role": "user", "content": first}]);
+        let f1 = facts(&chat(turn1.clone(), json!({})), None);
+        assert_eq!(f1.previous_blocks, None, "a first turn");
+        let mut turn2 = turn1.as_array().unwrap().clone();
+        turn2.push(json!({"role": "assistant", "content": "answer ".repeat(bb)}));
+        turn2.push(json!({"role": "user", "content": "more"}));
+        let f2 = facts(&chat(json!(turn2), json!({})), None);
+        // Turn 1's blocks are the first blocks of turn 2's.
+        let p = f2.previous_blocks.expect("turn 2 knows turn 1");
+        assert_eq!(p, f1.blocks.len());
+        assert_eq!(f2.blocks[..p], f1.blocks[..]);
+        // A tool call and its answer after the last user message: the
+        // previous request ended before the answers' run.
+        let mut turn3 = turn2.clone();
+        turn3.push(json!({"role": "assistant", "content": "calling"}));
+        turn3.push(json!({"role": "tool", "content": "result ".repeat(bb)}));
+        let mut asked = turn2.clone();
+        asked.truncate(4);
+        let f3 = facts(&chat(json!(turn3), json!({})), None);
+        let before = facts(&chat(json!(asked), json!({})), None);
+        assert_eq!(f3.previous_blocks, Some(before.blocks.len()));
+        // A first user message too short to fill a block past the shared
+        // system prompt: nothing in whole blocks is the conversation's own.
+        let short = json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "more"},
+        ]);
+        assert_eq!(facts(&chat(short, json!({})), None).previous_blocks, None);
+    }
+
+    /// A conversation whose previous turn this gateway sent away from the
+    /// key's home (so the index holds its whole prompt there) follows it
+    /// there; without that evidence it goes home.
+    #[test]
+    fn a_conversation_follows_its_previous_turn_off_home() {
+        let c = cfg();
+        let bb = c.block_bytes;
+        let turn1 = json!([
+            {"role": "system", "content": "s".repeat(2 * bb)},
+            {"role": "user", "content": "question ".repeat(bb)},
+        ]);
+        let f1 = facts(&chat(turn1.clone(), json!({})), Some("conv"));
+        let mut t2 = turn1.as_array().unwrap().clone();
+        t2.push(json!({"role": "assistant", "content": "answer ".repeat(bb)}));
+        t2.push(json!({"role": "user", "content": "more"}));
+        let f2 = facts(&chat(json!(t2), json!({})), Some("conv"));
+        let store = MemorySharedData::default();
+        let m = MemoryMetrics::default();
+        let home = route_fresh(&c, &store, &m, &f2).targets[0].clone();
+        let other = c.hosts.iter().find(|h| h.addr != home).unwrap();
+        let index = Index {
+            slots: c.fleet.prefix_index_slots,
+            ttl_ms: c.fleet.prefix_ttl_ms,
+            key_prefix: &c.fleet.index_key_prefix,
+        };
+        let store = MemorySharedData::default();
+        index.record(&store, &f1.blocks, other.id, 0);
+        assert_eq!(route_fresh(&c, &store, &m, &f2).targets[0], other.addr);
+        // Only the system prompt there: not the previous turn, home wins.
+        let store = MemorySharedData::default();
+        index.record(&store, &f1.blocks[..2], other.id, 0);
+        assert_eq!(route_fresh(&c, &store, &m, &f2).targets[0], home);
     }
 
     #[test]
@@ -1899,6 +2013,7 @@ mod equivalence {
             non_text_parts: 0,
             continues: false,
             shared_prefix: None,
+            previous_blocks: None,
         }
     }
 

@@ -17,8 +17,14 @@
 //! (2^k - 1) and at its last block: at most `log2(maxBlocks) + 2` writes. A
 //! lookup probes the same positions, deepest first, and for each match
 //! checks one more position, the last block of the request that wrote the
-//! entry (which that request recorded), so the depth of a growing
-//! conversation's previous turn is found exactly, not just to a power of two.
+//! entry (which that request recorded). The sampled positions of a shared
+//! system prompt name whoever sent it last, and an unchanged entry is not
+//! rewritten (it keeps its first writer's depth), so those two probes
+//! alone rarely reach a conversation's previous turn. A request that
+//! continues a conversation therefore also probes where its previous
+//! request's prompt ended ([`crate::decide::Facts::previous_blocks`]): that
+//! request recorded its last block there, so the replica that served it
+//! and its full depth are found exactly.
 //! Collisions evict (last writer wins); entries older than `ttl_ms` count as
 //! evicted by the engine. An overwritten entry only loses locality
 //! information, never correctness.
@@ -261,17 +267,24 @@ impl Index<'_> {
     /// Blocks of `blocks` that each host was sent, as `(host id, blocks)`,
     /// one pair per host found.
     pub fn lookup(&self, store: &dyn SharedData, blocks: &[u64], now_ms: u64) -> Vec<(u64, u32)> {
-        self.lookup_seen(store, &mut IndexCache::default(), blocks, now_ms)
+        self.lookup_seen(store, &mut IndexCache::default(), blocks, None, now_ms)
             .0
     }
 
     /// [`Index::lookup`], plus what it read at each sampled position, for
-    /// [`Index::record_after`].
+    /// [`Index::record_after`]. `previous` is the depth, in blocks, of the
+    /// previous request of the conversation when the prompt says where that
+    /// request ended ([`crate::decide::Facts::previous_blocks`]): that request
+    /// recorded its last block, so one more read there finds its replica
+    /// and full depth, where the sampled positions would not (they hold
+    /// whoever last sent a shared system prompt, or the depth of the
+    /// conversation's first turn).
     pub fn lookup_seen(
         &self,
         store: &dyn SharedData,
         cache: &mut IndexCache,
         blocks: &[u64],
+        previous: Option<usize>,
         now_ms: u64,
     ) -> (Vec<(u64, u32)>, Seen) {
         let mut found: Vec<(u64, u32)> = Vec::new();
@@ -281,7 +294,13 @@ impl Index<'_> {
             None => found.push((host, depth)),
         };
         let n = blocks.len();
-        for p in positions(n) {
+        let mut probes = positions(n);
+        if let Some(at) = previous.filter(|&d| d > 0 && d < n).map(|d| d - 1) {
+            if let Err(i) = probes.binary_search_by(|q| at.cmp(q)) {
+                probes.insert(i, at);
+            }
+        }
+        for p in probes {
             let Some(&block) = blocks.get(p) else {
                 continue;
             };
@@ -446,16 +465,49 @@ mod tests {
         }
     }
 
+    /// Two conversations share a 32-block system prompt. The first turn of
+    /// A goes to host 1, then B's to host 2, which takes every sampled
+    /// position of the shared part. A's second turn finds host 1 beyond
+    /// the system prompt only by probing where its previous prompt ended.
+    #[test]
+    fn the_previous_turn_is_found_past_a_shared_system_prompt() {
+        let store = MemorySharedData::default();
+        let system = chain(9, 32);
+        let grow = |base: u64, n: usize| {
+            let mut b = system.clone();
+            b.extend(chain(base, n - 32).iter().map(|x| x ^ base << 40));
+            b
+        };
+        let a1 = grow(1, 40);
+        let b1 = grow(2, 38);
+        IX.record(&store, &a1, 1, 0);
+        IX.record(&store, &b1, 2, 1);
+        // A's second turn: its first 40 blocks are A's first prompt.
+        let mut a2 = a1.clone();
+        a2.extend(chain(3, 30));
+        let mut cache = IndexCache::default();
+        let (without, _) = IX.lookup_seen(&store, &mut cache, &a2, None, 2);
+        assert_eq!(without, vec![(2, 32)], "the shared part names host 2");
+        let (with, _) = IX.lookup_seen(&store, &mut IndexCache::default(), &a2, Some(40), 2);
+        assert!(with.contains(&(1, 40)), "{with:?}");
+        assert!(with.contains(&(2, 32)), "{with:?}");
+        // A depth at or past the request's own length, or none, adds nothing.
+        for d in [Some(0), Some(70), Some(500)] {
+            let (h, _) = IX.lookup_seen(&store, &mut IndexCache::default(), &a2, d, 2);
+            assert_eq!(h, without, "{d:?}");
+        }
+    }
+
     #[test]
     fn unchanged_entries_are_not_rewritten() {
         let store = Counting::default();
         let blocks = chain(3, 40);
-        let (_, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &blocks, 0);
+        let (_, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &blocks, None, 0);
         IX.record_after(&store, &mut IndexCache::default(), &blocks, 7, 0, &seen);
         let first = store.sets.get();
         assert_eq!(first, positions(40).len());
         // The same request again, to the same host: nothing to write.
-        let (hits, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &blocks, 10);
+        let (hits, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &blocks, None, 10);
         assert_eq!(hits, vec![(7, 40)]);
         IX.record_after(&store, &mut IndexCache::default(), &blocks, 7, 10, &seen);
         assert_eq!(store.sets.get(), first);
@@ -465,10 +517,10 @@ mod tests {
         // A longer turn of the same conversation finds the full earlier depth,
         // writes only its new positions and its own last block.
         let longer = chain(3, 100);
-        let (hits, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &longer, 20);
+        let (hits, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &longer, None, 20);
         assert_eq!(hits, vec![(8, 40)]);
         IX.record_after(&store, &mut IndexCache::default(), &longer, 8, 20, &seen);
-        let (hits, _) = IX.lookup_seen(&store, &mut IndexCache::default(), &longer, 30);
+        let (hits, _) = IX.lookup_seen(&store, &mut IndexCache::default(), &longer, None, 30);
         assert_eq!(hits, vec![(8, 100)]);
         // Entries past half their TTL are refreshed.
         let before = store.sets.get();
@@ -476,6 +528,7 @@ mod tests {
             &store,
             &mut IndexCache::default(),
             &longer,
+            None,
             IX.ttl_ms / 2 + 100,
         );
         IX.record_after(
@@ -546,27 +599,27 @@ mod tests {
         let (mut a, mut b) = (IndexCache::default(), IndexCache::default());
         let blocks = chain(4, 40);
         // Worker a routes the request to host 7: its own writes are cached.
-        let (_, seen) = IX.lookup_seen(&store, &mut a, &blocks, 0);
+        let (_, seen) = IX.lookup_seen(&store, &mut a, &blocks, None, 0);
         let cold = store.gets.get();
         assert_eq!(cold, positions(40).len(), "one read per sampled position");
         IX.record_after(&store, &mut a, &blocks, 7, 0, &seen);
-        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, 10);
+        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, None, 10);
         assert_eq!(hits, vec![(7, 40)]);
         assert_eq!(store.gets.get(), cold, "no read while the copy is recent");
 
         // Worker b sends the same prompt to host 8 (it read the slots itself).
-        let (hits, seen) = IX.lookup_seen(&store, &mut b, &blocks, 20);
+        let (hits, seen) = IX.lookup_seen(&store, &mut b, &blocks, None, 20);
         assert_eq!(hits, vec![(7, 40)]);
         IX.record_after(&store, &mut b, &blocks, 8, 20, &seen);
         // a still sees its own fact (true: host 7 was sent these blocks) ...
-        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, CACHE_MS - 1);
+        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, None, CACHE_MS - 1);
         assert_eq!(hits, vec![(7, 40)]);
         // ... and b's newer one once its copy is CACHE_MS old.
-        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, CACHE_MS);
+        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, None, CACHE_MS);
         assert_eq!(hits, vec![(8, 40)]);
         // A clock that goes back reads the store again.
         let before = store.gets.get();
-        IX.lookup_seen(&store, &mut a, &blocks, 5);
+        IX.lookup_seen(&store, &mut a, &blocks, None, 5);
         assert!(store.gets.get() > before);
     }
 
@@ -593,7 +646,7 @@ mod tests {
         IX.record(&store, &turn2[..23], 7, 0);
         // Turn 2 is decided at 100 ms: the index expects 23 blocks on 7,
         // and turn 2 records its new positions (31, 39) there.
-        let (hits, seen) = IX.lookup_seen(&store, &mut cache, &turn2, 100);
+        let (hits, seen) = IX.lookup_seen(&store, &mut cache, &turn2, None, 100);
         assert_eq!(hits, vec![(7, 23)]);
         IX.record_after(&store, &mut cache, &turn2, 7, 100, &seen);
         // The engine had only the first 2 blocks: turn 1's claims from
@@ -603,11 +656,15 @@ mod tests {
         assert_eq!(IX.forget(&store, &mut cache, &turn2, 2, 7, 100, 150), 4);
         // The forgetting worker's copy saw the removal at once.
         assert_eq!(
-            IX.lookup_seen(&store, &mut cache, &turn2[..16], 160).0,
+            IX.lookup_seen(&store, &mut cache, &turn2[..16], None, 160)
+                .0,
             vec![(7, 2)]
         );
         let fresh = &mut IndexCache::default();
-        assert_eq!(IX.lookup_seen(&store, fresh, &turn2, 200).0, vec![(7, 40)]);
+        assert_eq!(
+            IX.lookup_seen(&store, fresh, &turn2, None, 200).0,
+            vec![(7, 40)]
+        );
         assert_eq!(IX.lookup(&store, &turn2[..23], 200), vec![(7, 2)]);
         // Nothing left to remove.
         assert_eq!(IX.forget(&store, &mut cache, &turn2, 2, 7, 100, 300), 0);

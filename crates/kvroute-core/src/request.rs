@@ -80,6 +80,10 @@ pub trait CanonicalSink {
     fn anchor(&mut self);
     /// Called right before the first `user` message starts.
     fn first_user(&mut self) {}
+    /// Called right before a run of messages the model produced starts (an
+    /// answer, see [`Body::continues`]): the prompt of the request that
+    /// produced it ends here.
+    fn answer_starts(&mut self) {}
     /// Token ids given directly (`/v1/completions` with token arrays).
     fn token_ids(&mut self, ids: &[u32]);
 }
@@ -244,10 +248,16 @@ impl<'a> Body<'a> {
                     write_message(sink, role.as_bytes(), |s| content.write(s));
                 }
                 let mut anchored = false;
+                let mut answering = false;
                 for m in messages {
                     if !anchored && m.role == "user" {
                         sink.first_user();
                     }
+                    let answer = produced(&m.role);
+                    if answer && !answering {
+                        sink.answer_starts();
+                    }
+                    answering = answer;
                     write_message(sink, m.role.as_bytes(), |s| {
                         m.content.write(s);
                         if let Some(extra) = m.extra {
@@ -301,6 +311,10 @@ impl<'a> Body<'a> {
 fn produced(role: &str) -> bool {
     matches!(role, "assistant" | "function_call" | "reasoning")
 }
+
+/// Canonical bytes of a `user` message's header ([`write_message`]: the
+/// role, then [`UNIT_SEP`]): where its text starts.
+pub const USER_HEADER: u64 = b"user".len() as u64 + 1;
 
 fn write_message(
     sink: &mut dyn CanonicalSink,
