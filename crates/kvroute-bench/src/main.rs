@@ -10,6 +10,7 @@
 //! kvroute-bench report --out bench/results --check runs/*.json
 //! ```
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -265,6 +266,11 @@ struct SimulateArgs {
     /// Leave the engine timeline out of report.json (large fleets).
     #[arg(long)]
     no_samples: bool,
+    /// Also write records-<router>.jsonl: one JSON line per answered
+    /// request (session, turn, gateway, engine, TTFT, queue, prefill,
+    /// cached tokens, kvroute's reason), in completion order.
+    #[arg(long)]
+    records: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -686,6 +692,7 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
         session_header: !a.no_session_header,
         sample_s: a.sample_ms / 1000.0,
         progress: !a.quiet,
+        records: a.records,
     };
     eprintln!(
         "simulate: {} ({} requests) on {} engines, {} gateway(s), routers {}",
@@ -734,6 +741,9 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
             }
         );
         timing.push(t);
+        if a.records {
+            write_sim_records(&a.out, name, &out.records)?;
+        }
         let mut summary = out.summary;
         if a.no_samples {
             summary.samples.clear();
@@ -765,6 +775,24 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
         println!("checks passed: every router completed every request, figures consistent");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Writes `records-<router>.jsonl` in `dir` (the router's name with
+/// anything but letters, digits and `-` as `-`).
+fn write_sim_records(dir: &std::path::Path, router: &str, lines: &[sim::Line]) -> Result<(), String> {
+    let name: String = router
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' })
+        .collect();
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let path = dir.join(format!("records-{}.jsonl", name.trim_matches('-')));
+    let file = std::fs::File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    for l in lines {
+        serde_json::to_writer(&mut w, l).map_err(|e| format!("{}: {e}", path.display()))?;
+        w.write_all(b"\n").map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    w.flush().map_err(|e| format!("{}: {e}", path.display()))
 }
 
 fn run_suite(a: &SuiteArgs) -> Result<ExitCode, String> {

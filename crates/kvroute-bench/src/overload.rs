@@ -158,6 +158,7 @@ pub fn run(o: &Options) -> Result<Report, String> {
         session_header: true,
         sample_s: 1.0,
         progress: o.progress,
+        records: false,
     };
     let plan = [
         ("round-robin (modelled)", "round-robin", None),

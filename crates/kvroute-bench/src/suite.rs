@@ -126,6 +126,7 @@ fn options(replicas: usize, gateways: usize, seed: u64) -> Options {
         session_header: true,
         sample_s: 0.5,
         progress: false,
+        records: false,
     }
 }
 

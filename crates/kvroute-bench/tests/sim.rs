@@ -21,6 +21,7 @@ fn options(engines: usize, gateways: usize) -> Options {
         session_header: true,
         sample_s: 0.5,
         progress: false,
+        records: false,
     }
 }
 
@@ -117,6 +118,61 @@ fn every_router_completes_every_request_and_the_figures_hold() {
             by(n).hit_rate
         );
     }
+}
+
+/// `simulate --records`: one line per answered request, agreeing with the
+/// run's summary (count, hit rate, conversation split); kvroute's lines
+/// carry its reason, a peer's none; without the option, no lines.
+#[test]
+fn the_records_agree_with_the_summary() {
+    let wl = families::generate(
+        "chat",
+        &FamilyOptions {
+            replicas: 4,
+            duration_s: 20.0,
+            load: 1.0,
+            seed: 3,
+        },
+    )
+    .unwrap();
+    let run = |router: &str, records: bool| {
+        let o = Options {
+            records,
+            ..options(4, 2)
+        };
+        let mut r = routers::build(router, &routers::Setup::new(4, 2, 3)).unwrap();
+        sim::run(&wl, r.as_mut(), &o)
+    };
+    for router in ["kvroute", "round-robin"] {
+        let out = run(router, true);
+        let (s, lines) = (&out.summary, &out.records);
+        assert_eq!(lines.len() as u64, s.requests, "{router}");
+        let prompt: u64 = lines.iter().map(|l| l.prompt_tokens).sum();
+        let cached: u64 = lines.iter().map(|l| l.cached_tokens).sum();
+        let hit = cached as f64 / prompt as f64;
+        assert!((hit - s.hit_rate).abs() < 1e-9, "{router}: {hit} vs {}", s.hit_rate);
+        // Share of requests on their conversation's most used engine.
+        let mut per: std::collections::HashMap<(usize, usize), u64> = Default::default();
+        for l in lines {
+            *per.entry((l.session, l.engine)).or_default() += 1;
+            assert!(l.engine < 4 && l.gateway < 2, "{l:?}");
+            assert!(l.ttft_ms >= l.queue_ms, "{l:?}");
+            assert_eq!(l.reason.is_some(), router == "kvroute", "{l:?}");
+        }
+        let mut top: std::collections::HashMap<usize, u64> = Default::default();
+        for (&(session, _), &n) in &per {
+            let t = top.entry(session).or_default();
+            *t = (*t).max(n);
+        }
+        let split = top.values().sum::<u64>() as f64 / lines.len() as f64;
+        assert!((split - s.conversation_split).abs() < 1e-9, "{router}");
+        // Every turn of a session once.
+        let mut turns: Vec<(usize, usize)> = lines.iter().map(|l| (l.session, l.turn)).collect();
+        turns.sort_unstable();
+        turns.dedup();
+        assert_eq!(turns.len(), lines.len(), "{router}");
+    }
+    assert!(run("kvroute", false).records.is_empty());
 }
 
 #[test]

@@ -127,6 +127,31 @@ pub struct Options {
     pub sample_s: f64,
     /// Print progress to stderr.
     pub progress: bool,
+    /// Keep a [`Line`] per answered request in [`Outcome::records`].
+    pub records: bool,
+}
+
+/// One answered request of a simulated run (`simulate --records`), in
+/// completion order.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Line {
+    pub session: usize,
+    /// The turn's position in its session, from 0.
+    pub turn: usize,
+    pub gateway: usize,
+    pub engine: usize,
+    /// Modelled seconds from the start of the run to the send.
+    pub sent_s: f64,
+    pub ttft_ms: f64,
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    pub prompt_tokens: u64,
+    /// Prompt tokens the engine found cached at first admission.
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+    /// kvroute's decision reason; absent for the peers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<&'static str>,
 }
 
 /// A run's summary, and what is measured outside it.
@@ -143,6 +168,8 @@ pub struct Outcome {
     /// Events processed.
     pub events: u64,
     pub steps: u64,
+    /// Every answered request, when [`Options::records`] asked for them.
+    pub records: Vec<Line>,
 }
 
 /// The engines' addresses in snapshots and destination headers. Nothing
@@ -228,6 +255,7 @@ struct Live {
 /// A request on an engine.
 struct Flight {
     session: usize,
+    turn: usize,
     gateway: usize,
     ticket: Ticket,
     sent_s: f64,
@@ -275,6 +303,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
         .collect();
     let fleet_blocks = (opts.engine.kv_blocks * n) as u64;
     let mut tally = Tally::new(&opts.engine, fleet_blocks, n);
+    let mut records = Vec::new();
     let mut q = Queue {
         heap: BinaryHeap::new(),
         seq: 0,
@@ -510,6 +539,22 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                                 c.ttft_ms
                                     .push(1000.0 * (f.first_s.unwrap_or(now) - f.sent_s));
                             }
+                            if opts.records {
+                                records.push(Line {
+                                    session: f.session,
+                                    turn: f.turn,
+                                    gateway: f.gateway,
+                                    engine,
+                                    sent_s: f.sent_s,
+                                    ttft_ms: 1000.0 * (f.first_s.unwrap_or(now) - f.sent_s),
+                                    queue_ms: 1000.0 * summary.queue_s,
+                                    prefill_ms: 1000.0 * summary.prefill_s,
+                                    prompt_tokens: summary.prompt_tokens as u64,
+                                    cached_tokens: summary.cached_tokens as u64,
+                                    completion_tokens: summary.completion_tokens as u64,
+                                    reason: f.ticket.reason,
+                                });
+                            }
                             tally.completed(
                                 &Done {
                                     ttft_ms: 1000.0 * (f.first_s.unwrap_or(now) - f.sent_s),
@@ -627,6 +672,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
         wall_s: wall.elapsed().as_secs_f64(),
         events,
         steps,
+        records,
     }
 }
 
@@ -675,7 +721,11 @@ impl World<'_> {
         else {
             return;
         };
-        let Some(turn) = state.next_turn.checked_sub(1).and_then(|i| s.turns.get(i)) else {
+        let Some((at, turn)) = state
+            .next_turn
+            .checked_sub(1)
+            .and_then(|i| Some((i, s.turns.get(i)?)))
+        else {
             return;
         };
         let max_tokens = (turn.max_tokens as usize).max(1);
@@ -735,6 +785,7 @@ impl World<'_> {
                     (engine, id),
                     Flight {
                         session,
+                        turn: at,
                         gateway,
                         ticket,
                         sent_s,

@@ -91,6 +91,8 @@ pub struct Ticket {
     pub prompt_tokens: u64,
     /// Dynamo: the prompt's engine blocks.
     pub blocks: Vec<u64>,
+    /// kvroute: the decision's reason (`session`, `prefix`, `spill`, ...).
+    pub reason: Option<&'static str>,
 }
 
 /// A router running as K gateway instances.
@@ -600,6 +602,7 @@ impl Router for Kvroute {
             expectation,
             prompt_tokens: req.prompt_tokens as u64,
             blocks: Vec::new(),
+            reason: Some(d.reason.as_str()),
         })
     }
 
