@@ -779,10 +779,20 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
 
 /// Writes `records-<router>.jsonl` in `dir` (the router's name with
 /// anything but letters, digits and `-` as `-`).
-fn write_sim_records(dir: &std::path::Path, router: &str, lines: &[sim::Line]) -> Result<(), String> {
+fn write_sim_records(
+    dir: &std::path::Path,
+    router: &str,
+    lines: &[sim::Line],
+) -> Result<(), String> {
     let name: String = router
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
         .collect();
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let path = dir.join(format!("records-{}.jsonl", name.trim_matches('-')));
@@ -790,7 +800,8 @@ fn write_sim_records(dir: &std::path::Path, router: &str, lines: &[sim::Line]) -
     let mut w = std::io::BufWriter::new(file);
     for l in lines {
         serde_json::to_writer(&mut w, l).map_err(|e| format!("{}: {e}", path.display()))?;
-        w.write_all(b"\n").map_err(|e| format!("{}: {e}", path.display()))?;
+        w.write_all(b"\n")
+            .map_err(|e| format!("{}: {e}", path.display()))?;
     }
     w.flush().map_err(|e| format!("{}: {e}", path.display()))
 }

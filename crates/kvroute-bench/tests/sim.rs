@@ -150,7 +150,11 @@ fn the_records_agree_with_the_summary() {
         let prompt: u64 = lines.iter().map(|l| l.prompt_tokens).sum();
         let cached: u64 = lines.iter().map(|l| l.cached_tokens).sum();
         let hit = cached as f64 / prompt as f64;
-        assert!((hit - s.hit_rate).abs() < 1e-9, "{router}: {hit} vs {}", s.hit_rate);
+        assert!(
+            (hit - s.hit_rate).abs() < 1e-9,
+            "{router}: {hit} vs {}",
+            s.hit_rate
+        );
         // Share of requests on their conversation's most used engine.
         let mut per: std::collections::HashMap<(usize, usize), u64> = Default::default();
         for l in lines {

@@ -94,9 +94,18 @@
 //! prompts) the fifth concurrent request then left its home by cost, under
 //! its own reason, before bounded load would have moved it; with the index
 //! it stays home until bounded load spills it, as the foundation pick did.
-//! The index also places requests that share a long prefix but not the
-//! affinity key (different sessions over one document) where the prefix
-//! was sent, and gives answers something to check ([`crate::answers`]:
+//! The index also places a continuing request that shares a long prefix
+//! but not the affinity key (different sessions over one document) where
+//! the prefix was sent. A request that starts a conversation (no answers
+//! in it yet) is not put behind a replica the index names only for the
+//! part before its first user message (a system prompt or document that
+//! other conversations share): its later turns go to the key's home on
+//! every gateway, so the home is credited with as much of that part as
+//! the index knows anywhere, and only the cost (the home's pending
+//! prefill) or bounded load moves it. Measured on the chat family
+//! (16 replicas, three seeds): TTFT p95 227 -> 212 ms at one gateway, 226
+//! -> 216 at four; docs/fleet-state.md has every family. The index gives
+//! answers something to check ([`crate::answers`]:
 //! an engine that evicted the prefix removes the entries). Its cost is a
 //! lookup and a record per parsed request in shared data (the worker's
 //! [`IndexCache`] saves most reads), as with a snapshot; not measured for
@@ -218,6 +227,10 @@ pub struct Facts {
     /// its previous request's prompt (the canonical stream before the last
     /// answer), when they reach into the first user message's text.
     pub previous_blocks: Option<usize>,
+    /// Whole blocks that end before the first user message's text (a
+    /// system prompt or document other conversations may share; 0 without
+    /// a user message).
+    pub shared_blocks: usize,
 }
 
 /// A long prefix a session's request shares with others, and how much of
@@ -389,6 +402,9 @@ pub fn analyze(
                     .map_or(u64::MAX, |a| a + request::USER_HEADER)
         })
         .map(|whole| whole as usize);
+    let shared_blocks = sink
+        .first_user_at
+        .map_or(0, |a| ((a + request::USER_HEADER) / bb) as usize);
     let input_tokens = sink.text_bytes.div_ceil(cfg.bytes_per_token) + sink.token_ids;
     let output_tokens = parsed
         .max_tokens
@@ -406,6 +422,7 @@ pub fn analyze(
         continues: parsed.continues(),
         shared_prefix,
         previous_blocks,
+        shared_blocks,
     })
 }
 
@@ -716,6 +733,23 @@ fn scored(
     // assumed share does not apply, the index's evidence decides.
     let elsewhere = hits.iter().any(served)
         && home.is_some_and(|h| !hits.iter().any(|hit| hit.0 == h && served(hit)));
+    // A request that starts a conversation decides where its later turns
+    // find their history: they go to the key's home on every gateway. The
+    // index names only the last replica sent the part before the first
+    // user message (a system prompt or document other conversations
+    // share), which says nothing of where this conversation belongs, so
+    // the home is credited with as much of that part as the index knows
+    // anywhere; the cost still moves the request off a busy home. Evidence
+    // that reaches into the user's own text is not shared and still wins.
+    let first_turn_share = if facts.continues {
+        0.0
+    } else {
+        let shared = facts.shared_blocks.min(blocks);
+        hits.iter()
+            .map(|&(_, d)| (d as usize).min(shared))
+            .max()
+            .map_or(0.0, |d| d as f64 / blocks.max(1) as f64)
+    };
     let cands: Vec<Candidate> = replicas
         .iter()
         .map(|r| {
@@ -725,7 +759,7 @@ fn scored(
             // it is deeper, and the assumption is dropped when the index
             // shows the previous turn went elsewhere.
             let share = if home == Some(r.id) && !elsewhere {
-                indexed.max(f.home_cached_share)
+                indexed.max(f.home_cached_share).max(first_turn_share)
             } else {
                 indexed
             };
@@ -1127,6 +1161,63 @@ mod tests {
         let store = MemorySharedData::default();
         index.record(&store, &f1.blocks[..2], other.id, 0);
         assert_eq!(route_fresh(&c, &store, &m, &f2).targets[0], home);
+    }
+
+    /// A request that starts a conversation goes to its key's home even
+    /// where the index names another replica for every whole block of it,
+    /// when those blocks are all before the user's text (a system prompt
+    /// many conversations share): its later turns go home. The cost still
+    /// moves it off a busy home.
+    #[test]
+    fn a_first_turn_goes_home_past_a_replica_holding_its_system_prompt() {
+        let c = cfg();
+        let bb = c.block_bytes;
+        let first = json!([
+            {"role": "system", "content": "s".repeat(16 * bb)},
+            {"role": "user", "content": "hi"},
+        ]);
+        let f = facts(&chat(first, json!({})), Some("conv"));
+        assert!(!f.continues);
+        let m = MemoryMetrics::default();
+        let home = route_fresh(&c, &MemorySharedData::default(), &m, &f).targets[0].clone();
+        let other = c.hosts.iter().find(|h| h.addr != home).unwrap();
+        let index = Index {
+            slots: c.fleet.prefix_index_slots,
+            ttl_ms: c.fleet.prefix_ttl_ms,
+            key_prefix: &c.fleet.index_key_prefix,
+        };
+        let store = MemorySharedData::default();
+        index.record(&store, &f.blocks, other.id, 0);
+        let whole = u32::try_from(f.blocks.len()).unwrap();
+        assert_eq!(index.lookup(&store, &f.blocks, 0), vec![(other.id, whole)]);
+        assert_eq!(route_fresh(&c, &store, &m, &f).targets[0], home);
+        // A busy home (the same index, two seconds of prefill pending
+        // there): the cost moves it.
+        let store = MemorySharedData::default();
+        index.record(&store, &f.blocks, other.id, 0);
+        let home_id = c.hosts.iter().find(|h| h.addr == home).unwrap().id;
+        load::update(&store, &c.load_key, |t| {
+            t.add(Charge {
+                host: home_id,
+                prefill: 60_000,
+                memory: 0,
+            })
+        })
+        .unwrap();
+        assert_eq!(route_fresh(&c, &store, &m, &f).targets[0], other.addr);
+        // Evidence that reaches into the user's own text is not shared: a
+        // replica sent this very prompt still beats the home.
+        let own = json!([
+            {"role": "system", "content": "s".repeat(16 * bb)},
+            {"role": "user", "content": "question ".repeat(bb)},
+        ]);
+        let f = facts(&chat(own, json!({})), Some("conv"));
+        assert!(f.shared_blocks < f.blocks.len());
+        let home = route_fresh(&c, &MemorySharedData::default(), &m, &f).targets[0].clone();
+        let other = c.hosts.iter().find(|h| h.addr != home).unwrap();
+        let store = MemorySharedData::default();
+        index.record(&store, &f.blocks, other.id, 0);
+        assert_eq!(route_fresh(&c, &store, &m, &f).targets[0], other.addr);
     }
 
     #[test]
@@ -2014,6 +2105,7 @@ mod equivalence {
             continues: false,
             shared_prefix: None,
             previous_blocks: None,
+            shared_blocks: 0,
         }
     }
 
