@@ -7,6 +7,7 @@ use kvroute_bench::families::{self, FamilyOptions};
 use kvroute_bench::report::{self, Report};
 use kvroute_bench::sim::{self, routers, Collectors, Options, Spread};
 use kvroute_bench::summary::RunSummary;
+use kvroute_bench::workload::Workload;
 use kvroute_sim::engine::EngineConfig;
 
 fn options(engines: usize, gateways: usize) -> Options {
@@ -23,6 +24,20 @@ fn options(engines: usize, gateways: usize) -> Options {
         progress: false,
         records: false,
     }
+}
+
+/// The chat family sized for 4 replicas, 20 s of arrivals, seed 3.
+fn chat_on_4() -> Workload {
+    families::generate(
+        "chat",
+        &FamilyOptions {
+            replicas: 4,
+            duration_s: 20.0,
+            load: 1.0,
+            seed: 3,
+        },
+    )
+    .unwrap()
 }
 
 fn run(family: &str, router: &str, o: &Options, duration_s: f64) -> RunSummary {
@@ -125,16 +140,7 @@ fn every_router_completes_every_request_and_the_figures_hold() {
 /// carry its reason, a peer's none; without the option, no lines.
 #[test]
 fn the_records_agree_with_the_summary() {
-    let wl = families::generate(
-        "chat",
-        &FamilyOptions {
-            replicas: 4,
-            duration_s: 20.0,
-            load: 1.0,
-            seed: 3,
-        },
-    )
-    .unwrap();
+    let wl = chat_on_4();
     let run = |router: &str, records: bool| {
         let o = Options {
             records,
@@ -186,16 +192,7 @@ fn kvroute_reads_the_fleet_snapshot_the_collector_pushes() {
     // after) are degraded. With one push only, at the start, the snapshot
     // goes stale after staleAfterMs (2 s) and the decisions after that are.
     let o = options(4, 2);
-    let wl = families::generate(
-        "chat",
-        &FamilyOptions {
-            replicas: 4,
-            duration_s: 20.0,
-            load: 1.0,
-            seed: 3,
-        },
-    )
-    .unwrap();
+    let wl = chat_on_4();
     let run = |collector_s: f64| {
         let setup = routers::Setup {
             collector_s,

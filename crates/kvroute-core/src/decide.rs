@@ -1083,6 +1083,15 @@ mod tests {
         route(c, store, m, &mut IndexCache::default(), Ok(f), None, 0, 0)
     }
 
+    /// The gateway's prefix index under `c`, as [`route`] builds it.
+    fn index_of(c: &Config) -> Index<'_> {
+        Index {
+            slots: c.fleet.prefix_index_slots,
+            ttl_ms: c.fleet.prefix_ttl_ms,
+            key_prefix: &c.fleet.index_key_prefix,
+        }
+    }
+
     fn facts(body: &[u8], session: Option<&str>) -> Facts {
         analyze(&cfg(), Endpoint::ChatCompletions, session, body).unwrap()
     }
@@ -1149,11 +1158,7 @@ mod tests {
         let m = MemoryMetrics::default();
         let home = route_fresh(&c, &store, &m, &f2).targets[0].clone();
         let other = c.hosts.iter().find(|h| h.addr != home).unwrap();
-        let index = Index {
-            slots: c.fleet.prefix_index_slots,
-            ttl_ms: c.fleet.prefix_ttl_ms,
-            key_prefix: &c.fleet.index_key_prefix,
-        };
+        let index = index_of(&c);
         let store = MemorySharedData::default();
         index.record(&store, &f1.blocks, other.id, 0);
         assert_eq!(route_fresh(&c, &store, &m, &f2).targets[0], other.addr);
@@ -1181,11 +1186,7 @@ mod tests {
         let m = MemoryMetrics::default();
         let home = route_fresh(&c, &MemorySharedData::default(), &m, &f).targets[0].clone();
         let other = c.hosts.iter().find(|h| h.addr != home).unwrap();
-        let index = Index {
-            slots: c.fleet.prefix_index_slots,
-            ttl_ms: c.fleet.prefix_ttl_ms,
-            key_prefix: &c.fleet.index_key_prefix,
-        };
+        let index = index_of(&c);
         let store = MemorySharedData::default();
         index.record(&store, &f.blocks, other.id, 0);
         let whole = u32::try_from(f.blocks.len()).unwrap();
