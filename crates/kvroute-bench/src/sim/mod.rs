@@ -532,12 +532,12 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                                 continue;
                             };
                             router.finished(f.gateway, &f.ticket, &summary, now);
+                            let ttft_ms = 1000.0 * (f.first_s.unwrap_or(now) - f.sent_s);
                             if let Some(s) = sessions.get(f.session) {
                                 let c = classes.entry(objective_of(s)).or_default();
                                 c.completed += 1;
                                 c.output_tokens += summary.completion_tokens as u64;
-                                c.ttft_ms
-                                    .push(1000.0 * (f.first_s.unwrap_or(now) - f.sent_s));
+                                c.ttft_ms.push(ttft_ms);
                             }
                             if opts.records {
                                 records.push(Line {
@@ -546,7 +546,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                                     gateway: f.gateway,
                                     engine,
                                     sent_s: f.sent_s,
-                                    ttft_ms: 1000.0 * (f.first_s.unwrap_or(now) - f.sent_s),
+                                    ttft_ms,
                                     queue_ms: 1000.0 * summary.queue_s,
                                     prefill_ms: 1000.0 * summary.prefill_s,
                                     prompt_tokens: summary.prompt_tokens as u64,
@@ -557,7 +557,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                             }
                             tally.completed(
                                 &Done {
-                                    ttft_ms: 1000.0 * (f.first_s.unwrap_or(now) - f.sent_s),
+                                    ttft_ms,
                                     e2e_ms: 1000.0 * (now - f.sent_s),
                                     queue_ms: Some(1000.0 * summary.queue_s),
                                     prefill_ms: Some(1000.0 * summary.prefill_s),
