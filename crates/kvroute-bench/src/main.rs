@@ -271,6 +271,10 @@ struct SimulateArgs {
     /// cached tokens, kvroute's reason), in completion order.
     #[arg(long)]
     records: bool,
+    /// Step the engines one step at a time, never in runs of decode steps
+    /// (the same report, slower; for checking the runs).
+    #[arg(long)]
+    single_steps: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -693,6 +697,7 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
         sample_s: a.sample_ms / 1000.0,
         progress: !a.quiet,
         records: a.records,
+        single_steps: a.single_steps,
     };
     eprintln!(
         "simulate: {} ({} requests) on {} engines, {} gateway(s), routers {}",

@@ -159,6 +159,7 @@ pub fn run(o: &Options) -> Result<Report, String> {
         sample_s: 1.0,
         progress: o.progress,
         records: false,
+        single_steps: false,
     };
     let plan = [
         ("round-robin (modelled)", "round-robin", None),

@@ -127,6 +127,7 @@ fn options(replicas: usize, gateways: usize, seed: u64) -> Options {
         sample_s: 0.5,
         progress: false,
         records: false,
+        single_steps: false,
     }
 }
 

@@ -23,6 +23,7 @@ fn options(engines: usize, gateways: usize) -> Options {
         sample_s: 0.5,
         progress: false,
         records: false,
+        single_steps: false,
     }
 }
 
@@ -407,4 +408,60 @@ fn the_suite_runs_every_seed_and_scores_kvroute_per_seed() {
         alone.iter().map(modelled).collect::<Vec<_>>()
     );
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// The engines take runs of decode-only steps as one event, computed when
+/// they end or when something looks at the engine: the same run as one
+/// step at a time, byte for byte (summary and records), for a router that
+/// reads the engines' caches (dynamo) and ones that do not, on a workload
+/// where KV memory binds (preemptions) and one where it does not.
+#[test]
+fn decode_runs_change_nothing() {
+    // (engines, KV blocks each, routers): the chat family sized for 4
+    // replicas, on 4 engines, then on 2 small ones that preempt.
+    let cases = [
+        (4, 25_000, &["kvroute", "dynamo", "least-request"][..]),
+        (2, 3_000, &["round-robin", "kvroute"][..]),
+    ];
+    let wl = chat_on_4();
+    let mut preempted = false;
+    for (engines, kv_blocks, names) in cases {
+        let mut o = Options {
+            records: true,
+            ..options(engines, 2)
+        };
+        o.engine.kv_blocks = kv_blocks;
+        for name in names {
+            let go = |single_steps: bool| {
+                let mut r = routers::build(name, &routers::Setup::new(engines, 2, o.seed)).unwrap();
+                sim::run(
+                    &wl,
+                    r.as_mut(),
+                    &Options {
+                        single_steps,
+                        ..o.clone()
+                    },
+                )
+            };
+            let (runs, single) = (go(false), go(true));
+            let what = format!("{engines} engines, {name}");
+            assert_eq!(
+                serde_json::to_string(&runs.summary).unwrap(),
+                serde_json::to_string(&single.summary).unwrap(),
+                "{what}"
+            );
+            assert_eq!(runs.records, single.records, "{what}");
+            assert_eq!(runs.steps, single.steps, "{what}");
+            // The runs were taken (the comparison can fail).
+            assert!(
+                runs.events < single.events,
+                "{what}: {} events with runs, {} without",
+                runs.events,
+                single.events
+            );
+            assert!(runs.summary.completed > 20, "{what}");
+            preempted |= runs.summary.preemptions > 0.0;
+        }
+    }
+    assert!(preempted, "no case ran short of KV memory");
 }

@@ -35,6 +35,17 @@
 //! generated words, so a next turn carries the history the real client
 //! would send.
 //!
+//! Most steps only decode. When the next steps of an engine can be known
+//! in advance (every running sequence decoding, nothing waiting, the
+//! blocks there; `Scheduler::decode_run`), they are one event, ending when
+//! the first sequence finishes, and are computed lazily: when the run
+//! ends, or, when something looks at the engine first (a request routed
+//! to it, a scrape, a sample, a router reading its cache), as far as the
+//! steps that had started by then (`Scheduler::decode`); the rest are
+//! taken again with the new request. That is the same run as one step at
+//! a time, byte for byte (`--single-steps` does the latter; a test
+//! compares the two), with a fraction of the events.
+//!
 //! # Gateways and routers
 //!
 //! A [`routers::Router`] holds the state of K gateway instances. kvroute's
@@ -68,7 +79,9 @@ use std::time::Instant;
 use serde::Serialize;
 use xxhash_rust::xxh64::xxh64;
 
-use kvroute_sim::engine::sched::{NewRequest, Reading, Scheduler, SeqEvent, StepOutput};
+use kvroute_sim::engine::sched::{
+    Decodes, NewRequest, Reading, Scheduler, SeqEvent, StepOutput, Summary,
+};
 use kvroute_sim::engine::{
     block_hashes, chat_prompt, generated_text, EngineConfig, BLOCK_BYTES, BLOCK_TOKENS,
     BYTES_PER_TOKEN,
@@ -129,6 +142,9 @@ pub struct Options {
     pub progress: bool,
     /// Keep a [`Line`] per answered request in [`Outcome::records`].
     pub records: bool,
+    /// Step every engine one step at a time, never in decode runs (the
+    /// same run, slower: for checking that runs change nothing).
+    pub single_steps: bool,
 }
 
 /// One answered request of a simulated run (`simulate --records`), in
@@ -184,9 +200,10 @@ enum Kind {
     Arrive { session: usize },
     /// An engine that was idle looks for work.
     Wake { engine: usize },
-    /// An engine's step ends: its tokens come out (the step's output
-    /// waits in [`Engine::step`], so that events stay small in the heap).
-    StepDone { engine: usize },
+    /// An engine's step, or run of decode steps, ends: its tokens come
+    /// out (the output waits in [`Engine`], so that events stay small in
+    /// the heap). Stale when the engine's `gen` moved on (a run cut short).
+    StepDone { engine: usize, gen: u64 },
     /// A collector scrapes every engine.
     Scrape { collector: usize },
     /// A collector's readings reach a gateway.
@@ -265,27 +282,105 @@ struct Flight {
     answer: Vec<u8>,
 }
 
+/// The longest run of decode steps taken as one event.
+const MAX_RUN: usize = 4096;
+
 struct Engine {
     sched: Scheduler,
     /// A step is in flight (its output is taken when it ends, and the
     /// engine steps on until it has no work).
     stepping: bool,
-    /// The output of the step in flight.
+    /// The output of the single step in flight.
     step: Option<StepOutput>,
+    /// A run of decode-only steps in flight, not computed yet: when it
+    /// started (its steps' ends are in `ends`). It is computed when it
+    /// ends, or as far as it got when something looks at the engine.
+    run: Option<f64>,
+    ends: Vec<f64>,
+    /// The computed part of the run, delivered when its last step ends.
+    decodes: Option<Decodes>,
+    /// Bumped when a run is cut short, so that its first end event is stale.
+    gen: u64,
+    /// Steps taken, one by one or in runs.
+    steps: u64,
 }
 
 impl Engine {
-    /// Starts the next step at `now` if there is work (its end time);
-    /// else the engine stops stepping.
-    fn start_step(&mut self, now: f64) -> Option<f64> {
+    fn new(sched: Scheduler) -> Self {
+        Self {
+            sched,
+            stepping: false,
+            step: None,
+            run: None,
+            ends: Vec::new(),
+            decodes: None,
+            gen: 0,
+            steps: 0,
+        }
+    }
+
+    /// Starts the next step at `now` if there is work (its end time), or a
+    /// run of decode-only steps (the end of its last); else the engine
+    /// stops stepping.
+    fn start_step(&mut self, now: f64, single: bool) -> Option<f64> {
+        if !single {
+            self.sched.decode_run(now, MAX_RUN, &mut self.ends);
+            if let (true, Some(&end)) = (self.ends.len() > 1, self.ends.last()) {
+                self.stepping = true;
+                self.run = Some(now);
+                return Some(end);
+            }
+        }
         let Some(out) = self.sched.step(now) else {
             self.stepping = false;
             return None;
         };
         let end = out.end();
         self.stepping = true;
+        self.steps += 1;
         self.step = Some(out);
         Some(end)
+    }
+
+    /// Brings the engine to modelled time `t` before something looks at it
+    /// or gives it a request: the steps of its run that started before `t`
+    /// are computed (with single steps they would have been), and the rest
+    /// are dropped, to be taken again with what `t` brings. Returns the new
+    /// end of the step in flight when the run was cut short (the old end's
+    /// event is then stale).
+    fn settle(&mut self, t: f64) -> Option<f64> {
+        let start = self.run.take()?;
+        let n = self.ends.len();
+        let before = self.ends.get(..n.saturating_sub(1)).unwrap_or_default();
+        let started = 1 + before.partition_point(|&e| e < t);
+        let d = self.sched.decode(start, started);
+        self.steps += d.ends.len() as u64;
+        let end = d.ends.last().copied();
+        let cut = d.ends.len() < n;
+        self.decodes = Some(d);
+        if cut {
+            self.gen += 1;
+            end
+        } else {
+            None
+        }
+    }
+}
+
+/// [`Engine::settle`], queueing the new end of a run cut short.
+fn settle(engines: &mut [Engine], q: &mut Queue, engine: usize, t: f64) {
+    if let Some(e) = engines.get_mut(engine) {
+        if let Some(end) = e.settle(t) {
+            q.push(end, Kind::StepDone { engine, gen: e.gen });
+        }
+    }
+}
+
+/// [`settle`] for every engine (a scrape, a sample, a router that reads
+/// the engines' caches).
+fn settle_all(engines: &mut [Engine], q: &mut Queue, t: f64) {
+    for engine in 0..engines.len() {
+        settle(engines, q, engine, t);
     }
 }
 
@@ -295,11 +390,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
     let n = opts.engines.max(1);
     let k = opts.gateways.max(1);
     let mut engines: Vec<Engine> = (0..n)
-        .map(|_| Engine {
-            sched: Scheduler::new(opts.engine.clone(), opts.seed),
-            stepping: false,
-            step: None,
-        })
+        .map(|_| Engine::new(Scheduler::new(opts.engine.clone(), opts.seed)))
         .collect();
     let fleet_blocks = (opts.engine.kv_blocks * n) as u64;
     let mut tally = Tally::new(&opts.engine, fleet_blocks, n);
@@ -347,7 +438,6 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
     let total = workload.requests();
     let mut sent = 0usize;
     let mut events = 0u64;
-    let mut steps = 0u64;
     let mut last_print = Instant::now();
     let tty = std::io::stderr().is_terminal();
     let label = router.name();
@@ -355,6 +445,25 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
         .sample_s
         .max(workload.description.span_s / 1000.0)
         .max(0.01);
+
+    // The run's state, borrowed for one event's work.
+    macro_rules! world {
+        () => {
+            World {
+                engines: &mut engines,
+                tally: &mut tally,
+                flights: &mut flights,
+                q: &mut q,
+                live: &mut live,
+                open: &mut open,
+                classes: &mut classes,
+                sessions,
+                opts,
+                records: &mut records,
+                last_answer_s: &mut last_answer_s,
+            }
+        };
+    }
 
     while let Some(ev) = q.heap.pop() {
         events += 1;
@@ -424,17 +533,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                     objective: s.objective.as_deref(),
                 };
                 let admission = router.admit(gateway, &req, next_handle, now);
-                let mut world = World {
-                    engines: &mut engines,
-                    tally: &mut tally,
-                    flights: &mut flights,
-                    q: &mut q,
-                    live: &mut live,
-                    open: &mut open,
-                    classes: &mut classes,
-                    sessions,
-                    opts,
-                };
+                let mut world = world!();
                 match admission {
                     Admission::Go => {
                         world.dispatch(router, session, gateway, Some((body, prompt)), now, now);
@@ -461,17 +560,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                 }
             }
             Kind::Tick { gateway } => {
-                let mut world = World {
-                    engines: &mut engines,
-                    tally: &mut tally,
-                    flights: &mut flights,
-                    q: &mut q,
-                    live: &mut live,
-                    open: &mut open,
-                    classes: &mut classes,
-                    sessions,
-                    opts,
-                };
+                let mut world = world!();
                 loop {
                     let mut went = false;
                     for (h, status) in router.tick(gateway, now) {
@@ -497,110 +586,51 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                 }
             }
             Kind::Wake { engine } => {
-                if let Some(e) = engines.get_mut(engine) {
-                    if !e.stepping {
-                        if let Some(end) = e.start_step(now) {
-                            steps += 1;
-                            q.push(end, Kind::StepDone { engine });
-                        }
+                if let Some(e) = engines.get_mut(engine).filter(|e| !e.stepping) {
+                    if let Some(end) = e.start_step(now, opts.single_steps) {
+                        q.push(end, Kind::StepDone { engine, gen: e.gen });
                     }
                 }
             }
-            Kind::StepDone { engine } => {
-                let Some(out) = engines.get_mut(engine).and_then(|e| e.step.take()) else {
+            Kind::StepDone { engine, gen } => {
+                let Some(e) = engines.get_mut(engine).filter(|e| e.gen == gen) else {
                     continue;
                 };
-                for ev in out.events {
+                // A run nothing looked at is computed now, in full.
+                e.settle(now);
+                let (step, decodes) = (e.step.take(), e.decodes.take());
+                let mut world = world!();
+                for ev in step.map(|o| o.events).unwrap_or_default() {
                     match ev {
                         SeqEvent::Token { id, word, done, .. } => {
-                            let Some(f) = flights.get_mut(&(engine, id)) else {
-                                continue;
-                            };
-                            f.answer.extend_from_slice(&word);
-                            match f.first_s {
-                                None => {
-                                    f.first_s = Some(now);
-                                    router.first_token(f.gateway, &f.ticket, now);
-                                }
-                                Some(_) => f.itl_ms.push(1000.0 * (now - f.last_s)),
-                            }
-                            f.last_s = now;
-                            let Some(summary) = done else {
-                                continue;
-                            };
-                            let Some(f) = flights.remove(&(engine, id)) else {
-                                continue;
-                            };
-                            router.finished(f.gateway, &f.ticket, &summary, now);
-                            let ttft_ms = 1000.0 * (f.first_s.unwrap_or(now) - f.sent_s);
-                            if let Some(s) = sessions.get(f.session) {
-                                let c = classes.entry(objective_of(s)).or_default();
-                                c.completed += 1;
-                                c.output_tokens += summary.completion_tokens as u64;
-                                c.ttft_ms.push(ttft_ms);
-                            }
-                            if opts.records {
-                                records.push(Line {
-                                    session: f.session,
-                                    turn: f.turn,
-                                    gateway: f.gateway,
-                                    engine,
-                                    sent_s: f.sent_s,
-                                    ttft_ms,
-                                    queue_ms: 1000.0 * summary.queue_s,
-                                    prefill_ms: 1000.0 * summary.prefill_s,
-                                    prompt_tokens: summary.prompt_tokens as u64,
-                                    cached_tokens: summary.cached_tokens as u64,
-                                    completion_tokens: summary.completion_tokens as u64,
-                                    reason: f.ticket.reason,
-                                });
-                            }
-                            tally.completed(
-                                &Done {
-                                    ttft_ms,
-                                    e2e_ms: 1000.0 * (now - f.sent_s),
-                                    queue_ms: Some(1000.0 * summary.queue_s),
-                                    prefill_ms: Some(1000.0 * summary.prefill_s),
-                                    prompt_tokens: Some(summary.prompt_tokens as u64),
-                                    cached_tokens: Some(summary.cached_tokens as u64),
-                                    completion_tokens: summary.completion_tokens as u64,
-                                    engine: Some(engine as u64),
-                                    gateway: f.gateway,
-                                    session: f.session,
-                                },
-                                &f.itl_ms,
-                            );
-                            last_answer_s = last_answer_s.max(now);
-                            if let Some(Some(state)) = live.get_mut(f.session) {
-                                let text = String::from_utf8_lossy(&f.answer).into_owned();
-                                state.history.push(("assistant", text));
-                            }
-                            next_turn(&mut q, sessions, &mut live, f.session, now, &mut open);
+                            world.tokens(router, engine, id, &word, &[now], done.as_ref());
                         }
-                        SeqEvent::Failed { id } => {
-                            if let Some(f) = flights.remove(&(engine, id)) {
-                                router.finished_failed(f.gateway, &f.ticket, now);
-                                if let Some(s) = sessions.get(f.session) {
-                                    classes.entry(objective_of(s)).or_default().failed += 1;
-                                }
-                                tally.failed("engine: failed");
-                                if let Some(Some(state)) = live.get_mut(f.session) {
-                                    state.history.pop();
-                                }
-                                next_turn(&mut q, sessions, &mut live, f.session, now, &mut open);
-                            }
-                        }
+                        SeqEvent::Failed { id } => world.failed(router, engine, id, now),
                     }
                 }
-                if let Some(end) = engines.get_mut(engine).and_then(|e| e.start_step(now)) {
-                    steps += 1;
-                    q.push(end, Kind::StepDone { engine });
+                if let Some(d) = decodes {
+                    for seq in &d.seqs {
+                        world.tokens(
+                            router,
+                            engine,
+                            seq.id,
+                            &seq.text,
+                            &d.ends,
+                            seq.done.as_ref(),
+                        );
+                    }
+                }
+                if let Some(e) = engines.get_mut(engine) {
+                    if let Some(end) = e.start_step(now, opts.single_steps) {
+                        q.push(end, Kind::StepDone { engine, gen: e.gen });
+                    }
                 }
             }
             Kind::Scrape { collector } => {
                 if open == 0 {
                     continue;
                 }
+                settle_all(&mut engines, &mut q, now);
                 let readings = Rc::new(
                     engines
                         .iter()
@@ -630,6 +660,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                 taken_s,
             } => router.on_readings(gateway, &readings, taken_s, now),
             Kind::Sample => {
+                settle_all(&mut engines, &mut q, now);
                 samples.push(Sample {
                     t_s: now - first_s,
                     engines: engines
@@ -671,7 +702,7 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
         counters: router.counters(),
         wall_s: wall.elapsed().as_secs_f64(),
         events,
-        steps,
+        steps: engines.iter().map(|e| e.steps).sum(),
         records,
     }
 }
@@ -700,6 +731,8 @@ struct World<'a> {
     classes: &'a mut BTreeMap<String, ObjectiveTally>,
     sessions: &'a [Session],
     opts: &'a Options,
+    records: &'a mut Vec<Line>,
+    last_answer_s: &'a mut f64,
 }
 
 impl World<'_> {
@@ -749,8 +782,12 @@ impl World<'_> {
             max_tokens,
             objective: s.objective.as_deref(),
         };
+        if router.reads_engines() {
+            settle_all(self.engines, self.q, now);
+        }
         let routed = router.route(gateway, &req, now, &engines_view(self.engines));
         let outcome = routed.and_then(|ticket| {
+            settle(self.engines, self.q, ticket.engine, now);
             let e = self
                 .engines
                 .get_mut(ticket.engine)
@@ -805,6 +842,102 @@ impl World<'_> {
                 self.give_up(session, now);
             }
         }
+    }
+
+    /// Tokens of request `id` on `engine` came out: `words`, 4 bytes each,
+    /// the `j`th at `times[j]`; `done` when the last was its last.
+    fn tokens(
+        &mut self,
+        router: &mut dyn Router,
+        engine: usize,
+        id: u64,
+        words: &[u8],
+        times: &[f64],
+        done: Option<&Summary>,
+    ) {
+        let Some(f) = self.flights.get_mut(&(engine, id)) else {
+            return;
+        };
+        let mut now = f.last_s;
+        for (word, &t) in words.chunks_exact(BYTES_PER_TOKEN).zip(times) {
+            now = t;
+            f.answer.extend_from_slice(word);
+            match f.first_s {
+                None => {
+                    f.first_s = Some(now);
+                    router.first_token(f.gateway, &f.ticket, now);
+                }
+                Some(_) => f.itl_ms.push(1000.0 * (now - f.last_s)),
+            }
+            f.last_s = now;
+        }
+        let Some(summary) = done else {
+            return;
+        };
+        let Some(f) = self.flights.remove(&(engine, id)) else {
+            return;
+        };
+        router.finished(f.gateway, &f.ticket, summary, now);
+        let ttft_ms = 1000.0 * (f.first_s.unwrap_or(now) - f.sent_s);
+        if let Some(s) = self.sessions.get(f.session) {
+            let c = self.classes.entry(objective_of(s)).or_default();
+            c.completed += 1;
+            c.output_tokens += summary.completion_tokens as u64;
+            c.ttft_ms.push(ttft_ms);
+        }
+        if self.opts.records {
+            self.records.push(Line {
+                session: f.session,
+                turn: f.turn,
+                gateway: f.gateway,
+                engine,
+                sent_s: f.sent_s,
+                ttft_ms,
+                queue_ms: 1000.0 * summary.queue_s,
+                prefill_ms: 1000.0 * summary.prefill_s,
+                prompt_tokens: summary.prompt_tokens as u64,
+                cached_tokens: summary.cached_tokens as u64,
+                completion_tokens: summary.completion_tokens as u64,
+                reason: f.ticket.reason,
+            });
+        }
+        self.tally.completed(
+            &Done {
+                ttft_ms,
+                e2e_ms: 1000.0 * (now - f.sent_s),
+                queue_ms: Some(1000.0 * summary.queue_s),
+                prefill_ms: Some(1000.0 * summary.prefill_s),
+                prompt_tokens: Some(summary.prompt_tokens as u64),
+                cached_tokens: Some(summary.cached_tokens as u64),
+                completion_tokens: summary.completion_tokens as u64,
+                engine: Some(engine as u64),
+                gateway: f.gateway,
+                session: f.session,
+            },
+            &f.itl_ms,
+        );
+        *self.last_answer_s = self.last_answer_s.max(now);
+        if let Some(Some(state)) = self.live.get_mut(f.session) {
+            let text = String::from_utf8_lossy(&f.answer).into_owned();
+            state.history.push(("assistant", text));
+        }
+        next_turn(self.q, self.sessions, self.live, f.session, now, self.open);
+    }
+
+    /// The engine could not serve request `id`.
+    fn failed(&mut self, router: &mut dyn Router, engine: usize, id: u64, now: f64) {
+        let Some(f) = self.flights.remove(&(engine, id)) else {
+            return;
+        };
+        router.finished_failed(f.gateway, &f.ticket, now);
+        if let Some(s) = self.sessions.get(f.session) {
+            self.classes.entry(objective_of(s)).or_default().failed += 1;
+        }
+        self.tally.failed("engine: failed");
+        if let Some(Some(state)) = self.live.get_mut(f.session) {
+            state.history.pop();
+        }
+        next_turn(self.q, self.sessions, self.live, f.session, now, self.open);
     }
 
     /// The gateway answered the session's current turn itself (admission

@@ -111,6 +111,12 @@ pub trait Router {
     }
     /// Engine figures scraped at `taken_s` reach gateway `gw` at `now_s`.
     fn on_readings(&mut self, _gw: usize, _readings: &[Reading], _taken_s: f64, _now_s: f64) {}
+    /// Whether `route` reads the engines it is given beyond their number
+    /// (their caches, as a router fed by KV events does): the simulation
+    /// then brings every engine to the present first.
+    fn reads_engines(&self) -> bool {
+        false
+    }
     /// Places a request that reached gateway `gw`; `Err` is the answer the
     /// client gets instead (e.g. a 503).
     fn route(
@@ -1367,6 +1373,9 @@ impl Dynamo {
 }
 
 impl Router for Dynamo {
+    fn reads_engines(&self) -> bool {
+        true
+    }
     fn name(&self) -> String {
         "dynamo (modelled)".to_owned()
     }

@@ -25,6 +25,12 @@
 //! goes back to the front of the waiting queue with its output so far, to
 //! be recomputed (partly from the cache) when it is admitted again.
 //!
+//! A driver that knows nothing will arrive may take a run of decode-only
+//! steps at once ([`Scheduler::decode_run`], [`Scheduler::decode`]): the
+//! same per-sequence code as [`Scheduler::step`], without the scheduling
+//! passes and one output per step. The fleet simulation does; the
+//! real-time server steps one at a time.
+//!
 //! Times are modelled seconds, passed in; nothing here reads a clock.
 
 use std::collections::VecDeque;
@@ -107,6 +113,30 @@ pub enum SeqEvent {
     },
     /// The request cannot be served (defensive: admission found no way).
     Failed { id: u64 },
+}
+
+/// What [`Scheduler::decode`] computed: decode-only steps, one token for
+/// every running sequence in each.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decodes {
+    /// When the first step started.
+    pub start: f64,
+    /// When each step ended (its tokens came out).
+    pub ends: Vec<f64>,
+    /// Each running sequence's tokens, in admission order.
+    pub seqs: Vec<Decoded>,
+}
+
+/// One sequence's tokens from a run of decode-only steps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decoded {
+    pub id: u64,
+    /// Index of its first token here; the next ones follow, one per step.
+    pub first: usize,
+    /// Their text, [`super::prompt::BYTES_PER_TOKEN`] bytes each.
+    pub text: Vec<u8>,
+    /// Its summary, when the last step gave its last token.
+    pub done: Option<Summary>,
 }
 
 /// One step: when, how long, and what came out.
@@ -527,38 +557,12 @@ impl Scheduler {
             if s.now == 0 {
                 continue;
             }
-            s.computed += s.now;
-            register(&mut self.kv, s);
-            if s.computed < s.len() {
+            let Some((index, word, done)) = compute(&mut self.kv, &mut self.stats, s, end) else {
                 continue;
-            }
-            let index = s.generated;
-            let word = generated_word(s.key, index as u64);
-            s.stream.extend_from_slice(&word);
-            s.generated += 1;
-            extend_hashes(s.seed, &s.stream, &mut s.hashes);
-            self.stats.generation_tokens += 1;
-            if s.first_token.is_none() {
-                s.first_token = Some(end);
-                self.stats.ttft.observe(end - s.arrival);
-                self.stats.prompt_tokens += s.prompt_tokens as u64;
-            } else {
-                self.stats.itl.observe(end - s.last_token);
-            }
-            s.last_token = end;
-            let done = (s.generated >= s.max_tokens).then(|| {
+            };
+            if done.is_some() {
                 finished.push(i);
-                let first_scheduled = s.first_scheduled.unwrap_or(s.arrival);
-                Summary {
-                    prompt_tokens: s.prompt_tokens,
-                    completion_tokens: s.generated,
-                    cached_tokens: s.cached_tokens.unwrap_or(0),
-                    queue_s: (first_scheduled - s.arrival).max(0.0),
-                    prefill_s: (s.first_token.unwrap_or(end) - first_scheduled).max(0.0),
-                    e2e_s: (end - s.arrival).max(0.0),
-                    preempted: s.preempted,
-                }
-            });
+            }
             events.push(SeqEvent::Token {
                 id: s.id,
                 index,
@@ -566,13 +570,8 @@ impl Scheduler {
                 done,
             });
         }
-        for &i in finished.iter().rev() {
-            let s = self.running.remove(i);
-            self.kv.release(&s.blocks);
-            self.stats.success += 1;
-            self.stats.e2e.observe(end - s.arrival);
-        }
         self.finished = finished;
+        self.retire(end);
         Some(StepOutput {
             start: now,
             duration,
@@ -581,6 +580,185 @@ impl Scheduler {
             events,
         })
     }
+}
+
+impl Scheduler {
+    /// Removes the sequences a step that ended at `end` finished (listed in
+    /// `self.finished`), releasing their blocks.
+    fn retire(&mut self, end: f64) {
+        let finished = std::mem::take(&mut self.finished);
+        for &i in finished.iter().rev() {
+            let s = self.running.remove(i);
+            self.kv.release(&s.blocks);
+            self.stats.success += 1;
+            self.stats.e2e.observe(end - s.arrival);
+        }
+        self.finished = finished;
+    }
+
+    /// The next steps from `now` that only decode, as far as nothing could
+    /// change them, into `ends` (when each would end; empty when the next
+    /// step is not one). Such a step has every running sequence decoding,
+    /// the budget for all of them, nothing waiting, and the blocks it needs
+    /// free or evictable; the run stops at `max` steps, before a step that
+    /// would be short of a block, and after the first step that finishes a
+    /// sequence. A request submitted meanwhile does not change the steps
+    /// started before it (it waits for the next one), so a driver may take
+    /// the first few of them with [`Self::decode`] and go on with
+    /// [`Self::step`]: the same as stepping one at a time, at a fraction of
+    /// the cost.
+    pub fn decode_run(&mut self, now: f64, max: usize, ends: &mut Vec<f64>) {
+        ends.clear();
+        let b = self.running.len();
+        let decoding = self.running.iter().all(|s| s.len() - s.computed == 1);
+        if b == 0 || !self.waiting.is_empty() || b > self.cfg.max_num_batched_tokens || !decoding {
+            return;
+        }
+        let mut contexts = std::mem::take(&mut self.contexts);
+        contexts.clear();
+        contexts.extend(self.running.iter().map(Seq::len));
+        let left = self
+            .running
+            .iter()
+            .map(|s| s.max_tokens.saturating_sub(s.generated))
+            .min()
+            .unwrap_or(0)
+            .min(max);
+        let mut free = self.kv.available();
+        let mut t = now;
+        for _ in 0..left {
+            // Step j computes each sequence's token at position len + j - 1.
+            let need = self
+                .running
+                .iter()
+                .zip(&contexts)
+                .filter(|(s, &len)| blocks_for(len) > s.blocks.len().max(blocks_for(len - 1)))
+                .count();
+            if need > free {
+                break;
+            }
+            free -= need;
+            let end = t + self.cfg.step_time_us(0, &contexts) / 1e6;
+            ends.push(end);
+            t = end;
+            for c in &mut contexts {
+                *c += 1;
+            }
+        }
+        self.contexts = contexts;
+    }
+
+    /// Takes `steps` decode-only steps from `now` (no more than
+    /// [`Self::decode_run`] offered from the same state) and returns what
+    /// came out, by sequence. Stops early, with fewer ends, if a step would
+    /// not be a decode-only step after all.
+    pub fn decode(&mut self, now: f64, steps: usize) -> Decodes {
+        let mut out = Decodes {
+            start: now,
+            ends: Vec::with_capacity(steps),
+            seqs: self
+                .running
+                .iter()
+                .map(|s| Decoded {
+                    id: s.id,
+                    first: s.generated,
+                    text: Vec::with_capacity(steps * 4),
+                    done: None,
+                })
+                .collect(),
+        };
+        let mut t = now;
+        for _ in 0..steps {
+            let b = self.running.len();
+            let ok = b == out.seqs.len()
+                && self.waiting.is_empty()
+                && b <= self.cfg.max_num_batched_tokens
+                && self.running.iter().all(|s| s.len() - s.computed == 1);
+            let need = self
+                .running
+                .iter()
+                .filter(|s| blocks_for(s.computed + 1) > s.blocks.len())
+                .count();
+            if !ok || need > self.kv.available() {
+                break;
+            }
+            let mut contexts = std::mem::take(&mut self.contexts);
+            contexts.clear();
+            for i in 0..b {
+                // Cannot preempt: the blocks are there (counted above).
+                self.ensure_blocks(i, 1);
+            }
+            for s in &mut self.running {
+                s.now = 1;
+                s.decoding = true;
+                contexts.push(s.len());
+            }
+            let end = t + self.cfg.step_time_us(0, &contexts) / 1e6;
+            self.contexts = contexts;
+            let mut finished = std::mem::take(&mut self.finished);
+            finished.clear();
+            for (i, (s, d)) in self.running.iter_mut().zip(&mut out.seqs).enumerate() {
+                if let Some((_, word, done)) = compute(&mut self.kv, &mut self.stats, s, end) {
+                    d.text.extend_from_slice(&word);
+                    if done.is_some() {
+                        finished.push(i);
+                        d.done = done;
+                    }
+                }
+            }
+            self.finished = finished;
+            out.ends.push(end);
+            t = end;
+            if !self.finished.is_empty() {
+                self.retire(end);
+                break;
+            }
+        }
+        out
+    }
+}
+
+/// Computes the tokens scheduled for `s` in a step that ends at `end`;
+/// when that completes it, samples its next token: the token's index, its
+/// text, and the request's summary when it was the last.
+fn compute(
+    kv: &mut KvCache,
+    stats: &mut Stats,
+    s: &mut Seq,
+    end: f64,
+) -> Option<(usize, [u8; 4], Option<Summary>)> {
+    s.computed += s.now;
+    register(kv, s);
+    if s.computed < s.len() {
+        return None;
+    }
+    let index = s.generated;
+    let word = generated_word(s.key, index as u64);
+    s.stream.extend_from_slice(&word);
+    s.generated += 1;
+    extend_hashes(s.seed, &s.stream, &mut s.hashes);
+    stats.generation_tokens += 1;
+    if s.first_token.is_none() {
+        s.first_token = Some(end);
+        stats.ttft.observe(end - s.arrival);
+        stats.prompt_tokens += s.prompt_tokens as u64;
+    } else {
+        stats.itl.observe(end - s.last_token);
+    }
+    s.last_token = end;
+    let done = (s.generated >= s.max_tokens).then(|| {
+        let first_scheduled = s.first_scheduled.unwrap_or(s.arrival);
+        Summary {
+            prompt_tokens: s.prompt_tokens,
+            completion_tokens: s.generated,
+            cached_tokens: s.cached_tokens.unwrap_or(0),
+            queue_s: (first_scheduled - s.arrival).max(0.0),
+            prefill_s: (s.first_token.unwrap_or(end) - first_scheduled).max(0.0),
+            e2e_s: (end - s.arrival).max(0.0),
+            preempted: s.preempted,
+        }
+    });
+    Some((index, word, done))
 }
 
 /// Registers every block of `s` that is now full and computed.
@@ -797,6 +975,79 @@ mod tests {
         let out = s.step(t).unwrap();
         let expect = c.step_time_us(0, &[16 + 5, 320 + 1]) / 1e6;
         assert!((out.duration - expect).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_decode_run_is_the_steps_it_replaces() {
+        // Three sequences of 35 prompt tokens (3 blocks each) on 20 blocks:
+        // they cross block boundaries together, so the run stops before
+        // the step that would need 3 blocks with 2 left, long before any
+        // of them finishes.
+        let build = || {
+            let mut s = Scheduler::new(cfg(20, 8192), 1);
+            for (tag, max) in [(1, 100), (2, 120), (3, 140)] {
+                s.submit(req(&prompt(tag, 2, 10), max), 0.0).unwrap();
+            }
+            let first = s.step(0.0).unwrap();
+            assert_eq!(first.events.len(), 3, "one step prefills all three");
+            (s, first.end())
+        };
+        let ((mut a, t0), (mut b, _)) = (build(), build());
+        let mut ends = Vec::new();
+        a.decode_run(t0, usize::MAX, &mut ends);
+        // Lengths 36.. : blocks at 49, 65 and 81 take 9 of the 11 free.
+        assert_eq!(ends.len(), 96 - 36 + 1, "{}", ends.len());
+        // Take all but the last five (as when a request arrives).
+        let k = ends.len() - 5;
+        let d = a.decode(t0, k);
+        assert_eq!(d.ends, ends[..k]);
+        let mut text: HashMap<u64, Vec<u8>> = HashMap::new();
+        let mut t = t0;
+        for &end in &ends[..k] {
+            let out = b.step(t).unwrap();
+            assert_eq!(out.end(), end);
+            for e in out.events {
+                if let SeqEvent::Token { id, word, done, .. } = e {
+                    assert!(done.is_none());
+                    text.entry(id).or_default().extend_from_slice(&word);
+                }
+            }
+            t = end;
+        }
+        assert_eq!(d.seqs.len(), 3);
+        for seq in &d.seqs {
+            assert_eq!(seq.first, 1);
+            assert_eq!(seq.text, text[&seq.id]);
+            assert!(seq.done.is_none());
+        }
+        assert_eq!(a.reading(), b.reading());
+        // From here both go one step at a time, preempting alike.
+        let mut steps = 0;
+        loop {
+            let (x, y) = (a.step(t), b.step(t));
+            assert_eq!(x, y);
+            let Some(out) = x else { break };
+            t = out.end();
+            steps += 1;
+        }
+        assert!(steps > 100);
+        assert!(a.stats().preemptions > 0);
+        assert_eq!(a.reading(), b.reading());
+        // A run stops after the step that finishes a sequence.
+        let mut s = Scheduler::new(cfg(1000, 8192), 1);
+        s.submit(req(&prompt(1, 1, 0), 5), 0.0).unwrap();
+        s.submit(req(&prompt(2, 1, 0), 9), 0.0).unwrap();
+        let t = s.step(0.0).unwrap().end();
+        s.decode_run(t, usize::MAX, &mut ends);
+        assert_eq!(ends.len(), 4);
+        let d = s.decode(t, 4);
+        assert_eq!(d.seqs[0].done.unwrap().completion_tokens, 5);
+        assert!(d.seqs[1].done.is_none());
+        assert_eq!(s.counts(), (1, 0));
+        // Nothing runs while a request waits.
+        s.submit(req(&prompt(3, 1, 0), 5), 1.0).unwrap();
+        s.decode_run(1.0, usize::MAX, &mut ends);
+        assert!(ends.is_empty());
     }
 
     #[test]
