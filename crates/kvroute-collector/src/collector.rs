@@ -253,6 +253,7 @@ pub fn start_with(settings: Settings, resolver: Resolver) -> Result<Running, Sta
         timeout: settings.push_timeout,
         metrics: Arc::clone(&metrics),
         board,
+        retired: Vec::new(),
     };
     let own_ports: Vec<u16> = settings.gateways.iter().filter_map(Gateway::port).collect();
     // A static peer that is this machine's own gateway (one list of every
@@ -610,6 +611,7 @@ impl Loop {
         for p in pushers {
             p.join();
         }
+        self.pushers.reap(true);
         for w in workers {
             w.join();
         }
@@ -625,6 +627,9 @@ struct Pushers {
     timeout: Duration,
     metrics: Arc<Metrics>,
     board: Option<Arc<LoadBoard>>,
+    /// Threads stopped and not yet joined (each ends after its push in
+    /// flight); joined once ended.
+    retired: Vec<std::thread::JoinHandle<()>>,
 }
 
 /// How a gateway is named in log lines.
@@ -655,6 +660,18 @@ fn is_own_gateway(addr: SocketAddr, own_ports: &[u16]) -> bool {
 }
 
 impl Pushers {
+    /// Joins the stopped threads that have ended (all of them, waiting,
+    /// with `wait`).
+    fn reap(&mut self, wait: bool) {
+        let (ended, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired)
+            .into_iter()
+            .partition(|h| wait || h.is_finished());
+        self.retired = running;
+        for h in ended {
+            let _ = h.join();
+        }
+    }
+
     /// Updates the gauges: gateways pushed to, and peers.
     fn count(&self) {
         let peers = self.map.values().filter(|(_, peer)| *peer).count();
@@ -686,10 +703,11 @@ impl Pushers {
     /// Makes the pushers those of `wanted`: new gateways get a pusher (and
     /// `latest`, if any), gone ones lose theirs (which then drops their
     /// metric series), and one whose role changed (pushed to, or a peer)
-    /// gets a new thread in its new role. One thread per endpoint: of
-    /// entries that reach the same one (written differently), the first
-    /// wins, so list the gateways pushed to first.
+    /// gets a new thread in its new role, keeping its series. One thread
+    /// per endpoint: of entries that reach the same one (written
+    /// differently), the first wins, so list the gateways pushed to first.
     fn set(&mut self, wanted: impl IntoIterator<Item = Gateway>, latest: Option<&Payload>) {
+        self.reap(false);
         let wanted = one_per_endpoint(wanted);
         let role: BTreeMap<&str, bool> = wanted.iter().map(|g| (g.base.as_str(), g.peer)).collect();
         let gone: Vec<String> = self
@@ -703,12 +721,16 @@ impl Pushers {
             let Some((p, peer)) = self.map.remove(&base) else {
                 continue;
             };
-            p.stop();
-            let role = role_name(peer);
+            let changed = role.contains_key(base.as_str());
+            self.retired.extend(p.stop(!changed));
             if let Some(b) = &self.board {
                 b.leave(&base);
             }
-            info!("{role} {base}: removed");
+            if changed {
+                info!("{} {base}: now a {}", role_name(peer), role_name(!peer));
+            } else {
+                info!("{} {base}: removed", role_name(peer));
+            }
         }
         self.count();
         for gw in wanted {
@@ -809,6 +831,39 @@ mod tests {
                 ("http://10.0.0.2:10001", true)
             ]
         );
+    }
+
+    /// A gateway that turns from pushed to into a peer keeps its metric
+    /// series (its new thread records under the same name); one that goes
+    /// away loses them once its thread has ended.
+    #[test]
+    fn a_role_change_keeps_the_gateways_series() {
+        let metrics = Arc::new(Metrics::new());
+        let mut p = Pushers {
+            map: BTreeMap::new(),
+            token: Settings::new(Vec::new(), Vec::new(), Some("t"))
+                .token
+                .unwrap(),
+            timeout: Duration::from_millis(200),
+            metrics: Arc::clone(&metrics),
+            board: None,
+            retired: Vec::new(),
+        };
+        // Port 9 on loopback: nothing is pushed (no snapshot is offered).
+        let gw = Gateway::parse("http://127.0.0.1:9").unwrap();
+        let base = gw.base.clone();
+        let has_series = || metrics.render().contains(&base);
+        p.set([gw.clone()], None);
+        metrics.push(&base, "204", 0.001, Some(1));
+        assert!(has_series());
+        p.set([gw.clone().as_peer()], None);
+        assert_eq!(p.map.get(&base).map(|(_, peer)| *peer), Some(true));
+        p.reap(true);
+        assert!(has_series(), "the role change dropped the series");
+        p.set([], None);
+        p.reap(true);
+        assert!(!has_series(), "a gateway that went away kept its series");
+        assert!(p.map.is_empty() && p.retired.is_empty());
     }
 
     fn scrape(addr: &str, health: Option<u16>, metrics: Option<EngineMetrics>, at: u64) -> Scrape {

@@ -270,13 +270,15 @@ impl Pusher {
         }
     }
 
-    /// Stops after the push in flight, if any, without waiting (a gateway
-    /// that went away: its last push may take the whole push timeout), and
-    /// then drops the gateway's metric series.
-    pub fn stop(mut self) {
-        self.slot.lock().forget = true;
+    /// Stops after the push in flight, if any, without waiting (its last
+    /// push may take the whole push timeout): the thread, to join when it
+    /// has ended. `forget`: then drop the gateway's metric series (it went
+    /// away; not when it only changed roles, since its new thread records
+    /// under the same name and may already have).
+    pub fn stop(mut self, forget: bool) -> Option<thread::JoinHandle<()>> {
+        self.slot.lock().forget = forget;
         self.signal_stop();
-        self.handle.take();
+        self.handle.take()
     }
 
     /// Asks the thread to stop after the push in flight (then `join`).
