@@ -34,8 +34,13 @@
 //! sessions share one home where its prompt is cached, instead of a home
 //! each that all hold it; a popular prompt (a chat product's few system
 //! prompts) or one that is a small part of long conversations (an
-//! agent's tools) keeps sessions apart. Gateways estimate the figures
-//! from their own traffic, so they agree except near the thresholds.
+//! agent's tools) keeps sessions apart. A prefix too popular for one home
+//! but under the whole fleet's share, whose requests are mostly that
+//! prefix (`prefixSubsetFirst`, 0.8: documents many users ask about),
+//! homes its sessions within a subset: the rendezvous top of its key, one
+//! replica per `prefixAffinityShare` of a replica's requests it carries.
+//! Gateways estimate the figures from their own traffic, so they agree
+//! except near the thresholds.
 //!
 //! # Cost
 //!
@@ -674,15 +679,25 @@ pub fn pick(
     hits: &[(u64, u32)],
     now_ms: u64,
 ) -> Decision {
-    pick_keyed(cfg, facts, facts.affinity, fleet, table, hits, now_ms)
+    pick_keyed(cfg, facts, facts.affinity, None, fleet, table, hits, now_ms)
+}
+
+/// The replicas a shared prefix's sessions are homed on: the `size`
+/// rendezvous top of its key (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Subset {
+    key: u64,
+    size: usize,
 }
 
 /// [`pick`] under `affinity` instead of the request's own key (a session
 /// placed by its shared prefix, see the module doc).
+#[allow(clippy::too_many_arguments)]
 fn pick_keyed(
     cfg: &Config,
     facts: &Facts,
     affinity: Affinity,
+    subset: Option<Subset>,
     fleet: Option<&FleetView>,
     table: &LoadTable,
     hits: &[(u64, u32)],
@@ -691,21 +706,27 @@ fn pick_keyed(
     match fleet {
         Some(view) => {
             let (replicas, degraded) = observed(cfg, facts, view, table, now_ms);
-            scored(cfg, facts, affinity, &view.set, &replicas, hits, degraded)
+            scored(
+                cfg, facts, affinity, subset, &view.set, &replicas, hits, degraded,
+            )
         }
         None => {
             let replicas = configured(&cfg.hosts, table);
-            scored(cfg, facts, affinity, &cfg.hosts, &replicas, hits, true)
+            scored(
+                cfg, facts, affinity, subset, &cfg.hosts, &replicas, hits, true,
+            )
         }
     }
 }
 
 /// Scores `replicas` (positions in `hosts`) and picks among them under
 /// bounded load; the decision charges the primary.
+#[allow(clippy::too_many_arguments)]
 fn scored(
     cfg: &Config,
     facts: &Facts,
     affinity: Affinity,
+    subset: Option<Subset>,
     hosts: &HostSet,
     replicas: &[Replica],
     hits: &[(u64, u32)],
@@ -716,10 +737,21 @@ fn scored(
     // The key's home: its rendezvous top among the replicas with headroom;
     // for a request that continues a conversation, among them all (the
     // conversation is there; the cost moves it if it must).
+    // A shared prefix's sessions are homed within its subset first.
+    let least = subset.and_then(|sub| {
+        let mut ranks: Vec<u64> = replicas
+            .iter()
+            .map(|r| picker::rank(sub.key, r.id))
+            .collect();
+        let k = sub.size.clamp(1, ranks.len().max(1)) - 1;
+        (k < ranks.len()).then(|| *ranks.select_nth_unstable_by(k, |a, b| b.cmp(a)).1)
+    });
+    let within =
+        |id: u64| least.is_some_and(|l| subset.is_some_and(|sub| picker::rank(sub.key, id) >= l));
     let home = replicas
         .iter()
         .filter(|r| r.headroom || facts.continues)
-        .max_by_key(|r| picker::rank(key, r.id))
+        .max_by_key(|r| (within(r.id), picker::rank(key, r.id)))
         .map(|r| r.id);
     let input = facts.input_tokens as f64;
     let need = facts.memory();
@@ -920,27 +952,34 @@ pub fn route(
                 index.lookup_seen(store, cache, &facts.blocks, facts.previous_blocks, now_ms);
             // A long shared prefix that carries less than a replica's share
             // of the traffic is the affinity key: its sessions co-locate.
-            let affinity = match facts.shared_prefix {
+            let (affinity, subset) = match facts.shared_prefix {
                 Some(p) if cfg.fleet.prefix_affinity_share > 0.0 => {
-                    let n = fleet.map_or(cfg.hosts.len(), |v| v.hosts.len()).max(1) as f64;
+                    let n = fleet.map_or(cfg.hosts.len(), |v| v.hosts.len()).max(1);
                     let (share, first) = cache.traffic.observe(p.key, p.share);
-                    let rare = share * n < cfg.fleet.prefix_affinity_share
-                        && first >= cfg.fleet.prefix_affinity_first;
-                    if rare {
-                        Affinity::Prefix(p.key)
+                    let replicas = share * n as f64 / cfg.fleet.prefix_affinity_share;
+                    if first < cfg.fleet.prefix_affinity_first {
+                        (facts.affinity, None)
+                    } else if replicas < 1.0 {
+                        (Affinity::Prefix(p.key), None)
+                    } else if first >= cfg.fleet.prefix_subset_first
+                        && (replicas.ceil() as usize) < n
+                    {
+                        let size = replicas.ceil() as usize;
+                        (facts.affinity, Some(Subset { key: p.key, size }))
                     } else {
-                        facts.affinity
+                        (facts.affinity, None)
                     }
                 }
                 _ => {
                     if cfg.fleet.prefix_affinity_share > 0.0 {
                         cache.traffic.observe_other();
                     }
-                    facts.affinity
+                    (facts.affinity, None)
                 }
             };
-            let decide =
-                |table: &LoadTable| pick_keyed(cfg, facts, affinity, fleet, table, &hits, now_ms);
+            let decide = |table: &LoadTable| {
+                pick_keyed(cfg, facts, affinity, subset, fleet, table, &hits, now_ms)
+            };
             let result = load::update(store, &cfg.load_key, |table| {
                 let d = decide(table);
                 if let Some(c) = d.charge {
@@ -1307,6 +1346,54 @@ mod tests {
         let f = analyze(&d, Endpoint::ChatCompletions, Some("rare-c"), &body).unwrap();
         let dec = route_fresh(&d, &store, &m, &f);
         assert_eq!(dec.reason, Reason::Session);
+    }
+
+    /// Sessions over a long shared prefix that carries a tenth of the
+    /// traffic (too much for one home at `prefixAffinityShare` 0.25 of a
+    /// replica, on 8 replicas) are homed within its 4-replica rendezvous
+    /// subset; with `prefixSubsetFirst` at 1 they spread over all 8.
+    #[test]
+    fn a_shared_prefix_homes_its_sessions_within_a_subset() {
+        let homes = |subset_first: f64| {
+            let c = Config::from_json(
+                format!(
+                    r#"{{"hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004",
+                        "127.0.0.1:8005","127.0.0.1:8006","127.0.0.1:8007","127.0.0.1:8008"],
+                        "fleet":{{"prefixSubsetFirst":{subset_first}}}}}"#
+                )
+                .as_bytes(),
+            )
+            .unwrap();
+            let (store, m) = (MemorySharedData::default(), MemoryMetrics::default());
+            let mut cache = IndexCache::default();
+            let mut seen = std::collections::BTreeSet::new();
+            for i in 0..600 {
+                let (messages, session) = if i % 10 == 0 {
+                    let doc = "doc ".repeat(1500);
+                    (
+                        json!([{"role":"system","content": doc},{"role":"user","content":"q"}]),
+                        format!("doc-{i}"),
+                    )
+                } else {
+                    (
+                        json!([{"role":"user","content": format!("other {i}")}]),
+                        format!("o-{i}"),
+                    )
+                };
+                let body = chat(messages, json!({}));
+                let f = analyze(&c, Endpoint::ChatCompletions, Some(&session), &body).unwrap();
+                let d = route(&c, &store, &m, &mut cache, Ok(&f), None, 0, 0);
+                release(&c, &store, &m, d.charge.unwrap());
+                if i >= 200 && i % 10 == 0 {
+                    assert_eq!(d.reason, Reason::Session, "{d:?}");
+                    seen.insert(d.targets[0].clone());
+                }
+            }
+            seen.len()
+        };
+        let within = homes(0.8);
+        assert!((2..=4).contains(&within), "{within} replicas");
+        assert!(homes(1.0) > 4);
     }
 
     /// A prefix's share of a worker's requests, and its requests' mean
