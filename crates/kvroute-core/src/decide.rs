@@ -734,20 +734,21 @@ fn scored(
 ) -> Decision {
     let f = &cfg.fleet;
     let key = affinity.key();
-    // The key's home: its rendezvous top among the replicas with headroom;
-    // for a request that continues a conversation, among them all (the
-    // conversation is there; the cost moves it if it must).
-    // A shared prefix's sessions are homed within its subset first.
-    let least = subset.and_then(|sub| {
+    // A shared prefix's subset: the replicas whose rank for its key is
+    // among the `size` highest (the least of those ranks is the cut).
+    let cut = subset.and_then(|sub| {
         let mut ranks: Vec<u64> = replicas
             .iter()
             .map(|r| picker::rank(sub.key, r.id))
             .collect();
-        let k = sub.size.clamp(1, ranks.len().max(1)) - 1;
-        (k < ranks.len()).then(|| *ranks.select_nth_unstable_by(k, |a, b| b.cmp(a)).1)
+        let k = sub.size.max(1) - 1;
+        (k < ranks.len()).then(|| (sub.key, *ranks.select_nth_unstable_by(k, |a, b| b.cmp(a)).1))
     });
-    let within =
-        |id: u64| least.is_some_and(|l| subset.is_some_and(|sub| picker::rank(sub.key, id) >= l));
+    let within = |id: u64| cut.is_some_and(|(key, least)| picker::rank(key, id) >= least);
+    // The key's home: its rendezvous top among the replicas with headroom
+    // (within the subset first); for a request that continues a
+    // conversation, among them all (the conversation is there; the cost
+    // moves it if it must).
     let home = replicas
         .iter()
         .filter(|r| r.headroom || facts.continues)
@@ -956,15 +957,15 @@ pub fn route(
                 Some(p) if cfg.fleet.prefix_affinity_share > 0.0 => {
                     let n = fleet.map_or(cfg.hosts.len(), |v| v.hosts.len()).max(1);
                     let (share, first) = cache.traffic.observe(p.key, p.share);
+                    // Replicas' worth of requests it carries, in
+                    // `prefixAffinityShare`s of a replica's.
                     let replicas = share * n as f64 / cfg.fleet.prefix_affinity_share;
+                    let size = replicas.ceil() as usize;
                     if first < cfg.fleet.prefix_affinity_first {
                         (facts.affinity, None)
                     } else if replicas < 1.0 {
                         (Affinity::Prefix(p.key), None)
-                    } else if first >= cfg.fleet.prefix_subset_first
-                        && (replicas.ceil() as usize) < n
-                    {
-                        let size = replicas.ceil() as usize;
+                    } else if first >= cfg.fleet.prefix_subset_first && size < n {
                         (facts.affinity, Some(Subset { key: p.key, size }))
                     } else {
                         (facts.affinity, None)

@@ -580,9 +580,7 @@ impl Scheduler {
             events,
         })
     }
-}
 
-impl Scheduler {
     /// Removes the sequences a step that ended at `end` finished (listed in
     /// `self.finished`), releasing their blocks.
     fn retire(&mut self, end: f64) {
@@ -594,6 +592,15 @@ impl Scheduler {
             self.stats.e2e.observe(end - s.arrival);
         }
         self.finished = finished;
+    }
+
+    /// Whether the next step would only decode: every running sequence
+    /// decoding, the budget for all of them, nothing waiting to be admitted
+    /// (blocks aside).
+    fn only_decodes(&self) -> bool {
+        self.waiting.is_empty()
+            && self.running.len() <= self.cfg.max_num_batched_tokens
+            && self.running.iter().all(|s| s.len() - s.computed == 1)
     }
 
     /// The next steps from `now` that only decode, as far as nothing could
@@ -609,9 +616,7 @@ impl Scheduler {
     /// the cost.
     pub fn decode_run(&mut self, now: f64, max: usize, ends: &mut Vec<f64>) {
         ends.clear();
-        let b = self.running.len();
-        let decoding = self.running.iter().all(|s| s.len() - s.computed == 1);
-        if b == 0 || !self.waiting.is_empty() || b > self.cfg.max_num_batched_tokens || !decoding {
+        if self.running.is_empty() || !self.only_decodes() {
             return;
         }
         let mut contexts = std::mem::take(&mut self.contexts);
@@ -670,10 +675,7 @@ impl Scheduler {
         let mut t = now;
         for _ in 0..steps {
             let b = self.running.len();
-            let ok = b == out.seqs.len()
-                && self.waiting.is_empty()
-                && b <= self.cfg.max_num_batched_tokens
-                && self.running.iter().all(|s| s.len() - s.computed == 1);
+            let ok = b == out.seqs.len() && self.only_decodes();
             let need = self
                 .running
                 .iter()
