@@ -121,8 +121,22 @@ fn bad(field: impl Into<String>, reason: impl Into<String>) -> SnapshotError {
 }
 
 impl Snapshot {
-    /// Decodes and validates.
+    /// Decodes and validates. The JSON is decoded directly first; only a
+    /// value that fails is decoded again with its path tracked, to name the
+    /// field in the error (the tracking doubled the decode time of a valid
+    /// snapshot: criterion, `snapshot_decode`).
     pub fn from_json(bytes: &[u8]) -> Result<Snapshot, SnapshotError> {
+        let snap = match serde_json::from_slice::<Snapshot>(bytes) {
+            Ok(snap) => snap,
+            Err(_) => Self::decode_error(bytes)?,
+        };
+        snap.validate()?;
+        Ok(snap)
+    }
+
+    /// Decodes `bytes` with the path of the failing field tracked: the
+    /// error for a value the plain decode refused.
+    fn decode_error(bytes: &[u8]) -> Result<Snapshot, SnapshotError> {
         let mut de = serde_json::Deserializer::from_slice(bytes);
         let snap: Snapshot = serde_path_to_error::deserialize(&mut de).map_err(|e| {
             let path = e.path().to_string();
@@ -134,7 +148,6 @@ impl Snapshot {
             bad(field, e.inner().to_string())
         })?;
         de.end().map_err(|e| bad("snapshot", e.to_string()))?;
-        snap.validate()?;
         Ok(snap)
     }
 
@@ -413,6 +426,11 @@ mod tests {
         let e = Snapshot::from_json(br#"{"version":1,"seq":1,"collector":"c","takenAtMs":1,"hosts":[{"address":"10.0.0.1:1","ready":true,"scrapedAtMs":1,"waiting":-1}]}"#).unwrap_err();
         assert_eq!(e.field, "hosts[0].waiting");
         assert!(Snapshot::from_json(b"garbage").is_err());
+        // Trailing bytes after a valid snapshot are refused as well.
+        let valid = snap(vec![host("10.0.0.1:80")]).to_json();
+        assert!(Snapshot::from_json(&valid).is_ok());
+        let e = Snapshot::from_json(&[valid.as_slice(), b" x"].concat()).unwrap_err();
+        assert_eq!(e.field, "snapshot", "{e}");
     }
 
     #[test]
