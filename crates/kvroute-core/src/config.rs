@@ -443,8 +443,9 @@ pub mod defaults {
     pub fn cost_quantum_ms() -> f64 {
         2.0
     }
-    /// Slots of the gateway's prefix index (one shared-data key each, about
-    /// 100 bytes with Envoy's overhead).
+    /// Slots of the gateway's prefix index (one shared-data key each, a
+    /// value of 28 to 88 bytes, up to about 160 bytes with Envoy's
+    /// overhead).
     pub fn prefix_index_slots() -> u32 {
         16384
     }

@@ -122,7 +122,7 @@ use crate::config::Config;
 use crate::fleet::{FleetHost, FleetView};
 use crate::hash::{model_seed, BlockHasher};
 use crate::host::{Counter, Gauge, Metrics, SharedData};
-use crate::index::{Index, IndexCache};
+use crate::index::{self, Index, IndexCache};
 use crate::load::{self, Charge, Entry, LoadTable};
 use crate::picker::{self, Bounds, HostSet, Pick};
 use crate::request::{self, CanonicalSink, Endpoint, ParseError};
@@ -768,7 +768,9 @@ fn scored(
         && home.is_some_and(|h| !hits.iter().any(|hit| hit.0 == h && served(hit)));
     // A request that starts a conversation decides where its later turns
     // find their history: they go to the key's home on every gateway. The
-    // index names only the last replica sent the part before the first
+    // index (counting each block's most recent owner only, as for any
+    // request placed by its session key) names the last replica sent the
+    // part before the first
     // user message (a system prompt or document other conversations
     // share), which says nothing of where this conversation belongs, so
     // the home is credited with as much of that part as the index knows
@@ -949,8 +951,6 @@ pub fn route(
                 ttl_ms: cfg.fleet.prefix_ttl_ms,
                 key_prefix: &cfg.fleet.index_key_prefix,
             };
-            let (hits, seen) =
-                index.lookup_seen(store, cache, &facts.blocks, facts.previous_blocks, now_ms);
             // A long shared prefix that carries less than a replica's share
             // of the traffic is the affinity key: its sessions co-locate.
             let (affinity, subset) = match facts.shared_prefix {
@@ -978,6 +978,21 @@ pub fn route(
                     (facts.affinity, None)
                 }
             };
+            // Where a shared prefix places the request (its affinity key or
+            // its subset), every replica the index knows was sent it counts
+            // (up to `index::OWNERS`); otherwise only the last one sent each
+            // block, which follows a conversation where it was last served
+            // (docs/fleet-state.md, "Several owners per index entry").
+            let by_prefix = subset.is_some() || matches!(affinity, Affinity::Prefix(_));
+            let owners = if by_prefix { index::OWNERS } else { 1 };
+            let (hits, seen) = index.lookup_seen(
+                store,
+                cache,
+                &facts.blocks,
+                facts.previous_blocks,
+                owners,
+                now_ms,
+            );
             let decide = |table: &LoadTable| {
                 pick_keyed(cfg, facts, affinity, subset, fleet, table, &hits, now_ms)
             };
@@ -1353,6 +1368,66 @@ mod tests {
     /// traffic (too much for one home at `prefixAffinityShare` 0.25 of a
     /// replica, on 8 replicas) are homed within its 4-replica rendezvous
     /// subset; with `prefixSubsetFirst` at 1 they spread over all 8.
+    #[test]
+    fn a_prefix_placed_request_sees_every_replica_it_was_sent_to() {
+        // A document request goes to its home, then the same prompt is sent
+        // to a replica outside this gateway's list: only a request placed
+        // by its shared prefix still counts the home as holding it.
+        let placed_on = |subset_first: f64| {
+            let c = Config::from_json(
+                format!(
+                    r#"{{"hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004",
+                        "127.0.0.1:8005","127.0.0.1:8006","127.0.0.1:8007","127.0.0.1:8008"],
+                        "fleet":{{"prefixSubsetFirst":{subset_first}}}}}"#
+                )
+                .as_bytes(),
+            )
+            .unwrap();
+            let (store, m) = (MemorySharedData::default(), MemoryMetrics::default());
+            let mut cache = IndexCache::default();
+            let doc = |i: usize| -> Facts {
+                let messages = if i % 10 == 0 {
+                    json!([{"role":"system","content": "doc ".repeat(1500)},{"role":"user","content":"q"}])
+                } else {
+                    json!([{"role":"user","content": format!("other {i}")}])
+                };
+                let body = chat(messages, json!({}));
+                analyze(
+                    &c,
+                    Endpoint::ChatCompletions,
+                    Some(&format!("s-{i}")),
+                    &body,
+                )
+                .unwrap()
+            };
+            // Traffic in which the document carries a tenth of the requests
+            // (to the index, every request goes to 8001..8008 at 0 ms).
+            for i in 1..300 {
+                let d = route(&c, &store, &m, &mut cache, Ok(&doc(i)), None, 0, 0);
+                release(&c, &store, &m, d.charge.unwrap());
+            }
+            let f = doc(300);
+            let first = route(&c, &store, &m, &mut cache, Ok(&f), None, 0, 0);
+            release(&c, &store, &m, first.charge.unwrap());
+            let ix = index_of(&c);
+            ix.record(&store, &f.blocks, picker::host_id(&first.targets[0]), 1);
+            ix.record(&store, &f.blocks, picker::host_id("10.9.9.9:1"), 2);
+            // The same worker (its traffic sketch), once its copies of the
+            // index slots are older than CACHE_MS.
+            let later = crate::index::CACHE_MS + 3;
+            let d = route(&c, &store, &m, &mut cache, Ok(&f), None, later, 0);
+            (d.targets[0].clone(), d.expected_cached)
+        };
+        // Placed by its prefix (within a subset): the replicas that were
+        // sent it before the outsider still count.
+        let (to, cached) = placed_on(0.8);
+        assert!(cached > 1000, "{to}: {cached}");
+        // Placed by its session key: the last sender alone counts, and it
+        // is not a replica of this gateway.
+        let (_, cached) = placed_on(1.0);
+        assert_eq!(cached, 0);
+    }
+
     #[test]
     fn a_shared_prefix_homes_its_sessions_within_a_subset() {
         let homes = |subset_first: f64| {
@@ -2107,10 +2182,10 @@ mod tests {
     /// gateway's pending prefill there is the uncached part only, not the
     /// whole prompt of every request in flight (without the index, the
     /// fifth request here moved off home by cost, as `session`). Once the
-    /// load is released the session follows the index: it names the last
-    /// replica the prompt was sent to (one replica per block, last writer
-    /// wins), whose whole-prompt evidence outweighs the home's assumed
-    /// share, as with a snapshot.
+    /// load is released the session follows the index: for a request placed
+    /// by its session key it names the last replica the prompt was sent to
+    /// (the most recent owner of each block), whose whole-prompt evidence
+    /// outweighs the home's assumed share, as with a snapshot.
     #[test]
     fn a_hot_session_stays_home_until_bounded_load() {
         let c = cfg();

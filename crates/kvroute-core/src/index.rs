@@ -1,54 +1,71 @@
-//! The gateway's prefix index: which replica was last sent which prefix.
+//! The gateway's prefix index: which replicas were last sent which prefix.
 //!
 //! The expected prefix hit of a replica is worked out from what the gateway
 //! routed there (engines do not export their cache contents). The index is a
 //! direct-mapped table in proxy-wasm shared data: `slots` keys, one entry
 //! each, so its memory is bounded by configuration whatever the traffic
-//! (`slots` x about 100 bytes with Envoy's per-key overhead). Shared data is
-//! process-wide, so every Envoy worker reads and writes the same index;
-//! gateway replicas each keep their own.
+//! (`slots` x at most 88 bytes of value, about 160 with Envoy's per-key
+//! overhead). Shared data is process-wide, so every Envoy worker reads and
+//! writes the same index; gateway replicas each keep their own.
 //!
-//! Each entry is `(block hash, host id, depth, written at)`: a request of
-//! `depth` blocks whose block at this position hashed to `block hash` was
-//! sent to `host id`. Because block hashes are chained, a match at position
-//! `p` means the replica was sent this request's first `p + 1` blocks.
+//! Each entry is a block hash and up to [`OWNERS`] replicas it was sent to,
+//! the most recent first, each as `(host id, depth, written at)`: a request
+//! of `depth` blocks whose block at this position hashed to `block hash`
+//! was sent to `host id`. Because block hashes are chained, a match at
+//! position `p` means the replica was sent this request's first `p + 1`
+//! blocks. An entry that named only its last sender (as before 2026-12-04)
+//! hid every other replica holding a popular prefix: the replicas a shared
+//! document's readers were spread over looked cold but one, and a
+//! conversation sent elsewhere once (a spill) seemed to have left its home
+//! (docs/fleet-state.md, "Several owners per index entry").
 //!
 //! A request records itself at the sampled positions `0, 1, 3, 7, 15, ...`
-//! (2^k - 1) and at its last block: at most `log2(maxBlocks) + 2` writes. A
-//! lookup probes the same positions, deepest first, and for each match
-//! checks one more position, the last block of the request that wrote the
-//! entry (which that request recorded). The sampled positions of a shared
-//! system prompt name whoever sent it last, and an unchanged entry is not
-//! rewritten (it keeps its first writer's depth), so those two probes
-//! alone rarely reach a conversation's previous turn. A request that
-//! continues a conversation therefore also probes where its previous
-//! request's prompt ended ([`crate::decide::Facts::previous_blocks`]): that
-//! request recorded its last block there, so the replica that served it
-//! and its full depth are found exactly.
-//! Collisions evict (last writer wins); entries older than `ttl_ms` count as
-//! evicted by the engine. An overwritten entry only loses locality
-//! information, never correctness.
+//! (2^k - 1) and at its last block: at most `log2(maxBlocks) + 2` writes,
+//! each making its replica the entry's most recent owner and keeping the
+//! [`OWNERS`] - 1 most recent others (an entry whose most recent owner is
+//! already that replica, written less than half a TTL ago, is not
+//! rewritten). A lookup probes the same positions, deepest first, and for
+//! each owner of a match it counts checks one more position, the last
+//! block of the request that wrote it (which that request recorded). The
+//! caller says how many owners count: [`crate::decide`] counts them all
+//! for a request placed by its shared prefix, and only the most recent for
+//! any other, which keeps following a conversation to where it was last
+//! served. With more than [`OWNERS`] replicas sent a shared system
+//! prompt, its sampled positions name only the latest, so those probes
+//! alone may miss a conversation's previous turn. A request that continues
+//! a conversation therefore also probes where its previous request's
+//! prompt ended ([`crate::decide::Facts::previous_blocks`]): that request
+//! recorded its last block there, so the replica that served it and its
+//! full depth are found exactly.
+//! Collisions between blocks evict (last writer wins); owners older than
+//! `ttl_ms` count as evicted by the engine. An overwritten entry only loses
+//! locality information, never correctness.
 //!
 //! Engines also evict sooner than any TTL (memory pressure, a restart, a
 //! flushed cache). When an answer reports fewer cached tokens than the
-//! index expected ([`crate::answers`]), [`Index::forget`] removes the
-//! entries of that request's blocks beyond the depth the engine still
-//! held, if they still name that replica and predate the decision (a
-//! compare-and-swap to an empty value: shared data has no delete). An
-//! empty slot reads as no entry.
+//! index expected ([`crate::answers`]), [`Index::forget`] removes that
+//! replica from the entries of that request's blocks beyond the depth the
+//! engine still held, where its claim predates the decision (a
+//! compare-and-swap on the value read; an entry left with no owner is
+//! written empty: shared data has no delete). An empty slot reads as no
+//! entry.
 //!
 //! Each read is a host call, so a worker keeps what it read or wrote in an
 //! [`IndexCache`] for [`CACHE_MS`]: a hot prefix (a shared system prompt, a
 //! burst of one agent's calls) is read from shared data a few times a
 //! second per worker rather than on every request. An entry is a fact ("this
-//! block was sent to this host at this time"), so a cached one stays true;
-//! what the cache can miss, for at most [`CACHE_MS`], is another worker's
-//! newer write to the same slot. Conversations come back seconds apart, so
-//! their next turn reads the shared index.
+//! block was sent to these hosts at these times"), so a cached one stays
+//! true; what the cache can miss, for at most [`CACHE_MS`], is another
+//! worker's newer write to the same slot. Conversations come back seconds
+//! apart, so their next turn reads the shared index.
 
 use crate::host::SharedData;
 
-const ENTRY: usize = 28;
+/// Replicas an entry remembers for its block, the most recently sent first.
+pub const OWNERS: usize = 4;
+/// Encoded sizes: the block hash, then 20 bytes per owner.
+const BLOCK_BYTES: usize = 8;
+const OWNER_BYTES: usize = 20;
 
 /// Index parameters, from the config.
 #[derive(Debug, Clone, Copy)]
@@ -63,40 +80,108 @@ pub struct Index<'a> {
 #[derive(Debug, Clone, Default)]
 pub struct Seen(Vec<(usize, Option<Entry>)>);
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Entry {
-    block: u64,
+/// One replica sent the block: by a request of `depth` blocks, at `at_ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Owner {
     host: u64,
     depth: u32,
     at_ms: u64,
 }
 
+/// A slot's value: a block and up to [`OWNERS`] replicas it was sent to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    block: u64,
+    owners: [Owner; OWNERS],
+    len: usize,
+}
+
 impl Entry {
-    fn encode(&self) -> [u8; ENTRY] {
-        let mut out = [0u8; ENTRY];
-        out[..8].copy_from_slice(&self.block.to_le_bytes());
-        out[8..16].copy_from_slice(&self.host.to_le_bytes());
-        out[16..20].copy_from_slice(&self.depth.to_le_bytes());
-        out[20..28].copy_from_slice(&self.at_ms.to_le_bytes());
+    fn single(block: u64, owner: Owner) -> Entry {
+        let mut owners = [Owner::default(); OWNERS];
+        owners[0] = owner;
+        Entry {
+            block,
+            owners,
+            len: 1,
+        }
+    }
+
+    fn owners(&self) -> &[Owner] {
+        self.owners.get(..self.len).unwrap_or(&[])
+    }
+
+    fn owner(&self, host: u64) -> Option<Owner> {
+        self.owners().iter().copied().find(|o| o.host == host)
+    }
+
+    /// The same block with only the owners `keep` accepts (`None`: none).
+    fn filter(&self, keep: impl Fn(&Owner) -> bool) -> Option<Entry> {
+        let mut out = Entry { len: 0, ..*self };
+        for o in self.owners().iter().filter(|o| keep(o)) {
+            if let Some(slot) = out.owners.get_mut(out.len) {
+                *slot = *o;
+                out.len += 1;
+            }
+        }
+        (out.len > 0).then_some(out)
+    }
+
+    /// `owner` first, then the others it does not replace, at most
+    /// [`OWNERS`] (the least recently sent falls off).
+    fn with(&self, owner: Owner) -> Entry {
+        let mut out = Entry::single(self.block, owner);
+        for o in self.owners().iter().filter(|o| o.host != owner.host) {
+            if let Some(slot) = out.owners.get_mut(out.len) {
+                *slot = *o;
+                out.len += 1;
+            }
+        }
         out
     }
 
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(BLOCK_BYTES + OWNER_BYTES * self.len);
+        out.extend_from_slice(&self.block.to_le_bytes());
+        for o in self.owners() {
+            out.extend_from_slice(&o.host.to_le_bytes());
+            out.extend_from_slice(&o.depth.to_le_bytes());
+            out.extend_from_slice(&o.at_ms.to_le_bytes());
+        }
+        out
+    }
+
+    /// Any other length than a block and one to [`OWNERS`] owners reads
+    /// as no entry (an empty value is a removed one).
     fn decode(b: &[u8]) -> Option<Entry> {
-        if b.len() != ENTRY {
+        let rest = b.len().checked_sub(BLOCK_BYTES)?;
+        let len = rest / OWNER_BYTES;
+        if rest % OWNER_BYTES != 0 || len == 0 || len > OWNERS {
             return None;
         }
+        let u64_at = |at: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+        };
+        let mut owners = [Owner::default(); OWNERS];
+        for (i, o) in owners.iter_mut().take(len).enumerate() {
+            let at = BLOCK_BYTES + i * OWNER_BYTES;
+            *o = Owner {
+                host: u64_at(at)?,
+                depth: u32::from_le_bytes(b.get(at + 8..at + 12)?.try_into().ok()?),
+                at_ms: u64_at(at + 12)?,
+            };
+        }
         Some(Entry {
-            block: u64::from_le_bytes(b.get(..8)?.try_into().ok()?),
-            host: u64::from_le_bytes(b.get(8..16)?.try_into().ok()?),
-            depth: u32::from_le_bytes(b.get(16..20)?.try_into().ok()?),
-            at_ms: u64::from_le_bytes(b.get(20..28)?.try_into().ok()?),
+            block: u64_at(0)?,
+            owners,
+            len,
         })
     }
 }
 
 /// How long a worker trusts its copy of an index slot.
 pub const CACHE_MS: u64 = 250;
-/// Slots a worker keeps a copy of (direct-mapped; about 48 bytes each).
+/// Slots a worker keeps a copy of (direct-mapped; about 120 bytes each).
 pub const CACHE_LINES: usize = 1024;
 
 #[derive(Debug, Clone, Copy)]
@@ -259,16 +344,22 @@ impl Index<'_> {
                 entry
             }
         };
-        let e = stored?;
-        let fresh = now_ms.saturating_sub(e.at_ms) <= self.ttl_ms;
-        (e.block == block && fresh).then_some(e)
+        let e = stored.filter(|e| e.block == block)?;
+        e.filter(|o| now_ms.saturating_sub(o.at_ms) <= self.ttl_ms)
     }
 
     /// Blocks of `blocks` that each host was sent, as `(host id, blocks)`,
     /// one pair per host found.
     pub fn lookup(&self, store: &dyn SharedData, blocks: &[u64], now_ms: u64) -> Vec<(u64, u32)> {
-        self.lookup_seen(store, &mut IndexCache::default(), blocks, None, now_ms)
-            .0
+        self.lookup_seen(
+            store,
+            &mut IndexCache::default(),
+            blocks,
+            None,
+            OWNERS,
+            now_ms,
+        )
+        .0
     }
 
     /// [`Index::lookup`], plus what it read at each sampled position, for
@@ -278,13 +369,15 @@ impl Index<'_> {
     /// recorded its last block, so one more read there finds its replica
     /// and full depth, where the sampled positions would not (they hold
     /// whoever last sent a shared system prompt, or the depth of the
-    /// conversation's first turn).
+    /// conversation's first turn). `owners` is how many of each entry's
+    /// owners count, the most recent first (1: its last sender only).
     pub fn lookup_seen(
         &self,
         store: &dyn SharedData,
         cache: &mut IndexCache,
         blocks: &[u64],
         previous: Option<usize>,
+        owners: usize,
         now_ms: u64,
     ) -> (Vec<(u64, u32)>, Seen) {
         let mut found: Vec<(u64, u32)> = Vec::new();
@@ -309,14 +402,16 @@ impl Index<'_> {
             let Some(e) = entry else {
                 continue;
             };
-            note(e.host, (p + 1) as u32);
-            // The writer's last block, if it lies deeper within this request.
-            let last = (e.depth as usize).min(n);
-            if last > p + 1 {
-                if let Some(&deep) = blocks.get(last - 1) {
-                    if let Some(d) = self.read(store, cache, deep, now_ms) {
-                        if d.host == e.host {
-                            note(e.host, last as u32);
+            for o in e.owners().iter().take(owners.max(1)) {
+                note(o.host, (p + 1) as u32);
+                // The writer's last block, if it lies deeper within this
+                // request.
+                let last = (o.depth as usize).min(n);
+                if last > p + 1 {
+                    if let Some(&deep) = blocks.get(last - 1) {
+                        let d = self.read(store, cache, deep, now_ms);
+                        if d.is_some_and(|d| d.owner(o.host).is_some()) {
+                            note(o.host, last as u32);
                         }
                     }
                 }
@@ -350,27 +445,32 @@ impl Index<'_> {
         let depth = u32::try_from(blocks.len()).unwrap_or(u32::MAX);
         let last = blocks.len().saturating_sub(1);
         for p in positions(blocks.len()) {
-            if let Some(&block) = blocks.get(p) {
-                let current = seen
-                    .0
-                    .iter()
-                    .find(|(q, _)| *q == p)
-                    .and_then(|(_, e)| *e)
-                    .filter(|e| e.block == block && e.host == host)
-                    .filter(|e| now_ms.saturating_sub(e.at_ms) <= self.ttl_ms / 2);
-                if current.is_some() && (p != last || current.is_some_and(|e| e.depth == depth)) {
-                    continue;
-                }
-                let e = Entry {
-                    block,
-                    host,
-                    depth,
-                    at_ms: now_ms,
-                };
-                // Last writer wins; a lost write only loses a hint.
-                let _ = store.set(&self.key(block), &e.encode(), None);
-                cache.put(self.slot(block), Some(e), now_ms);
+            let Some(&block) = blocks.get(p) else {
+                continue;
+            };
+            // The slot as the lookup saw it (read now if it did not look).
+            let current = match seen.0.iter().find(|(q, _)| *q == p) {
+                Some((_, e)) => *e,
+                None => self.read(store, cache, block, now_ms),
             }
+            .filter(|e| e.block == block);
+            // Already there as the most recent owner: nothing to write.
+            let mine = current
+                .and_then(|e| e.owners().first().copied())
+                .filter(|o| o.host == host)
+                .filter(|o| now_ms.saturating_sub(o.at_ms) <= self.ttl_ms / 2);
+            if mine.is_some() && (p != last || mine.is_some_and(|o| o.depth == depth)) {
+                continue;
+            }
+            let owner = Owner {
+                host,
+                depth,
+                at_ms: now_ms,
+            };
+            let e = current.map_or(Entry::single(block, owner), |e| e.with(owner));
+            // A write between the lookup and this one is lost: only a hint.
+            let _ = store.set(&self.key(block), &e.encode(), None);
+            cache.put(self.slot(block), Some(e), now_ms);
         }
     }
 
@@ -417,16 +517,19 @@ impl Index<'_> {
             let Ok((Some(v), Some(cas))) = store.get(&key) else {
                 continue;
             };
-            let Some(e) = Entry::decode(&v) else {
+            let Some(e) = Entry::decode(&v).filter(|e| e.block == block) else {
                 continue;
             };
-            if e.block != block || e.host != host || e.at_ms >= before_ms {
+            let Some(o) = e.owner(host).filter(|o| o.at_ms < before_ms) else {
                 continue;
-            }
-            if store.set(&key, &[], Some(cas)).is_ok() {
+            };
+            // The other owners stay; with none left, an empty value.
+            let rest = e.filter(|x| x.host != host);
+            let value = rest.map_or_else(Vec::new, |r| r.encode());
+            if store.set(&key, &value, Some(cas)).is_ok() {
                 removed += 1;
-                cache.put(self.slot(block), None, now_ms);
-                let last = (e.depth as usize).min(blocks.len());
+                cache.put(self.slot(block), rest, now_ms);
+                let last = (o.depth as usize).min(blocks.len());
                 if last > p + 1 {
                     todo.push(last - 1);
                 }
@@ -479,21 +582,27 @@ mod tests {
             b
         };
         let a1 = grow(1, 40);
-        let b1 = grow(2, 38);
         IX.record(&store, &a1, 1, 0);
-        IX.record(&store, &b1, 2, 1);
+        // OWNERS more conversations on other hosts push host 1 out of the
+        // shared part's entries.
+        for h in 2..2 + OWNERS as u64 {
+            IX.record(&store, &grow(h, 38), h, 1);
+        }
         // A's second turn: its first 40 blocks are A's first prompt.
         let mut a2 = a1.clone();
         a2.extend(chain(3, 30));
         let mut cache = IndexCache::default();
-        let (without, _) = IX.lookup_seen(&store, &mut cache, &a2, None, 2);
-        assert_eq!(without, vec![(2, 32)], "the shared part names host 2");
-        let (with, _) = IX.lookup_seen(&store, &mut IndexCache::default(), &a2, Some(40), 2);
+        let (without, _) = IX.lookup_seen(&store, &mut cache, &a2, None, OWNERS, 2);
+        let latest = 1 + OWNERS as u64;
+        assert!(without.contains(&(latest, 32)), "{without:?}");
+        assert!(without.iter().all(|&(h, _)| h != 1), "{without:?}");
+        let (with, _) =
+            IX.lookup_seen(&store, &mut IndexCache::default(), &a2, Some(40), OWNERS, 2);
         assert!(with.contains(&(1, 40)), "{with:?}");
-        assert!(with.contains(&(2, 32)), "{with:?}");
+        assert!(with.contains(&(latest, 32)), "{with:?}");
         // A depth at or past the request's own length, or none, adds nothing.
         for d in [Some(0), Some(70), Some(500)] {
-            let (h, _) = IX.lookup_seen(&store, &mut IndexCache::default(), &a2, d, 2);
+            let (h, _) = IX.lookup_seen(&store, &mut IndexCache::default(), &a2, d, OWNERS, 2);
             assert_eq!(h, without, "{d:?}");
         }
     }
@@ -502,26 +611,49 @@ mod tests {
     fn unchanged_entries_are_not_rewritten() {
         let store = Counting::default();
         let blocks = chain(3, 40);
-        let (_, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &blocks, None, 0);
+        let (_, seen) =
+            IX.lookup_seen(&store, &mut IndexCache::default(), &blocks, None, OWNERS, 0);
         IX.record_after(&store, &mut IndexCache::default(), &blocks, 7, 0, &seen);
         let first = store.sets.get();
         assert_eq!(first, positions(40).len());
         // The same request again, to the same host: nothing to write.
-        let (hits, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &blocks, None, 10);
+        let (hits, seen) = IX.lookup_seen(
+            &store,
+            &mut IndexCache::default(),
+            &blocks,
+            None,
+            OWNERS,
+            10,
+        );
         assert_eq!(hits, vec![(7, 40)]);
         IX.record_after(&store, &mut IndexCache::default(), &blocks, 7, 10, &seen);
         assert_eq!(store.sets.get(), first);
         // To another host: every position is rewritten.
         IX.record_after(&store, &mut IndexCache::default(), &blocks, 8, 10, &seen);
         assert_eq!(store.sets.get(), 2 * first);
-        // A longer turn of the same conversation finds the full earlier depth,
-        // writes only its new positions and its own last block.
+        // A longer turn of the same conversation finds the full earlier depth
+        // on both hosts (the latest first), writes only its new positions
+        // and its own last block.
         let longer = chain(3, 100);
-        let (hits, seen) = IX.lookup_seen(&store, &mut IndexCache::default(), &longer, None, 20);
-        assert_eq!(hits, vec![(8, 40)]);
+        let (hits, seen) = IX.lookup_seen(
+            &store,
+            &mut IndexCache::default(),
+            &longer,
+            None,
+            OWNERS,
+            20,
+        );
+        assert_eq!(hits, vec![(8, 40), (7, 40)]);
         IX.record_after(&store, &mut IndexCache::default(), &longer, 8, 20, &seen);
-        let (hits, _) = IX.lookup_seen(&store, &mut IndexCache::default(), &longer, None, 30);
-        assert_eq!(hits, vec![(8, 100)]);
+        let (hits, _) = IX.lookup_seen(
+            &store,
+            &mut IndexCache::default(),
+            &longer,
+            None,
+            OWNERS,
+            30,
+        );
+        assert_eq!(hits, vec![(8, 100), (7, 40)]);
         // Entries past half their TTL are refreshed.
         let before = store.sets.get();
         let (_, seen) = IX.lookup_seen(
@@ -529,6 +661,7 @@ mod tests {
             &mut IndexCache::default(),
             &longer,
             None,
+            OWNERS,
             IX.ttl_ms / 2 + 100,
         );
         IX.record_after(
@@ -584,8 +717,8 @@ mod tests {
         b.extend(chain(3, 12));
         IX.record(&store, &a, 1, 0);
         IX.record(&store, &b, 2, 0);
-        // b overwrote the shared first blocks (last writer wins): a's deep
-        // blocks still say host 1, its shallow ones say host 2.
+        // Both hosts own the shared first blocks: a's deep blocks say host
+        // 1, its shallow ones hosts 2 and 1.
         let mut found = IX.lookup(&store, &a, 5);
         found.sort_unstable();
         assert_eq!(found, vec![(1, 16), (2, 4)]);
@@ -599,27 +732,27 @@ mod tests {
         let (mut a, mut b) = (IndexCache::default(), IndexCache::default());
         let blocks = chain(4, 40);
         // Worker a routes the request to host 7: its own writes are cached.
-        let (_, seen) = IX.lookup_seen(&store, &mut a, &blocks, None, 0);
+        let (_, seen) = IX.lookup_seen(&store, &mut a, &blocks, None, OWNERS, 0);
         let cold = store.gets.get();
         assert_eq!(cold, positions(40).len(), "one read per sampled position");
         IX.record_after(&store, &mut a, &blocks, 7, 0, &seen);
-        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, None, 10);
+        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, None, OWNERS, 10);
         assert_eq!(hits, vec![(7, 40)]);
         assert_eq!(store.gets.get(), cold, "no read while the copy is recent");
 
         // Worker b sends the same prompt to host 8 (it read the slots itself).
-        let (hits, seen) = IX.lookup_seen(&store, &mut b, &blocks, None, 20);
+        let (hits, seen) = IX.lookup_seen(&store, &mut b, &blocks, None, OWNERS, 20);
         assert_eq!(hits, vec![(7, 40)]);
         IX.record_after(&store, &mut b, &blocks, 8, 20, &seen);
         // a still sees its own fact (true: host 7 was sent these blocks) ...
-        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, None, CACHE_MS - 1);
+        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, None, OWNERS, CACHE_MS - 1);
         assert_eq!(hits, vec![(7, 40)]);
-        // ... and b's newer one once its copy is CACHE_MS old.
-        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, None, CACHE_MS);
-        assert_eq!(hits, vec![(8, 40)]);
+        // ... and b's newer one beside it once its copy is CACHE_MS old.
+        let (hits, _) = IX.lookup_seen(&store, &mut a, &blocks, None, OWNERS, CACHE_MS);
+        assert_eq!(hits, vec![(8, 40), (7, 40)]);
         // A clock that goes back reads the store again.
         let before = store.gets.get();
-        IX.lookup_seen(&store, &mut a, &blocks, None, 5);
+        IX.lookup_seen(&store, &mut a, &blocks, None, OWNERS, 5);
         assert!(store.gets.get() > before);
     }
 
@@ -646,7 +779,7 @@ mod tests {
         IX.record(&store, &turn2[..23], 7, 0);
         // Turn 2 is decided at 100 ms: the index expects 23 blocks on 7,
         // and turn 2 records its new positions (31, 39) there.
-        let (hits, seen) = IX.lookup_seen(&store, &mut cache, &turn2, None, 100);
+        let (hits, seen) = IX.lookup_seen(&store, &mut cache, &turn2, None, OWNERS, 100);
         assert_eq!(hits, vec![(7, 23)]);
         IX.record_after(&store, &mut cache, &turn2, 7, 100, &seen);
         // The engine had only the first 2 blocks: turn 1's claims from
@@ -656,13 +789,13 @@ mod tests {
         assert_eq!(IX.forget(&store, &mut cache, &turn2, 2, 7, 100, 150), 4);
         // The forgetting worker's copy saw the removal at once.
         assert_eq!(
-            IX.lookup_seen(&store, &mut cache, &turn2[..16], None, 160)
+            IX.lookup_seen(&store, &mut cache, &turn2[..16], None, OWNERS, 160)
                 .0,
             vec![(7, 2)]
         );
         let fresh = &mut IndexCache::default();
         assert_eq!(
-            IX.lookup_seen(&store, fresh, &turn2, None, 200).0,
+            IX.lookup_seen(&store, fresh, &turn2, None, OWNERS, 200).0,
             vec![(7, 40)]
         );
         assert_eq!(IX.lookup(&store, &turn2[..23], 200), vec![(7, 2)]);
@@ -684,6 +817,63 @@ mod tests {
         assert_eq!(IX.lookup(&store, &blocks, 10), vec![(9, 8)]);
         assert_eq!(IX.forget(&store, &mut cache, &blocks, 0, 9, 1000, 10), 4);
         assert!(IX.lookup(&store, &blocks, 10).is_empty());
+    }
+
+    #[test]
+    fn an_entry_keeps_the_latest_owners_and_forgets_one_of_them() {
+        let store = MemorySharedData::default();
+        let mut cache = IndexCache::default();
+        let blocks = chain(11, 8);
+        let n = OWNERS as u64 + 1;
+        for h in 1..=n {
+            IX.record(&store, &blocks, h, h);
+        }
+        // The oldest falls off; the latest comes first.
+        let hits = IX.lookup(&store, &blocks, 10);
+        let latest: Vec<(u64, u32)> = (2..=n).rev().map(|h| (h, 8)).collect();
+        assert_eq!(hits, latest);
+        // Or only the last sender of each block.
+        let last = IX.lookup_seen(&store, &mut IndexCache::default(), &blocks, None, 1, 10);
+        assert_eq!(last.0, vec![(n, 8)]);
+        // A host sending again becomes the most recent owner.
+        IX.record(&store, &blocks, 2, 11);
+        assert_eq!(IX.lookup(&store, &blocks, 12).first(), Some(&(2, 8)));
+        IX.record(&store, &blocks, n, 12);
+        // Forgetting one host leaves the others in place.
+        assert_eq!(IX.forget(&store, &mut cache, &blocks, 0, 3, 1000, 20), 4);
+        let hits = IX.lookup(&store, &blocks, 20);
+        assert_eq!(hits, vec![(n, 8), (2, 8), (n - 1, 8)]);
+        // Owners past the TTL are not reported, and a rewrite drops them.
+        IX.record(&store, &blocks, 9, 1004);
+        assert_eq!(
+            IX.lookup(&store, &blocks, 1005),
+            vec![(9, 8), (n, 8), (2, 8)]
+        );
+    }
+
+    #[test]
+    fn entries_encode_one_to_owners_owners() {
+        let o = |host: u64| Owner {
+            host,
+            depth: 7,
+            at_ms: 99,
+        };
+        let mut e = Entry::single(5, o(1));
+        assert_eq!(e.encode().len(), 28, "one owner: the single-owner layout");
+        assert_eq!(Entry::decode(&e.encode()), Some(e));
+        for h in 2..=6 {
+            e = e.with(o(h));
+        }
+        assert_eq!(e.owners().len(), OWNERS);
+        assert_eq!(e.owners().first().map(|x| x.host), Some(6));
+        assert_eq!(Entry::decode(&e.encode()), Some(e));
+        let bytes = e.encode();
+        for bad in [&bytes[..0], &bytes[..8], &bytes[..27], &bytes[..29]] {
+            assert_eq!(Entry::decode(bad), None, "{} bytes", bad.len());
+        }
+        let mut long = bytes.clone();
+        long.extend_from_slice(&bytes[8..28]);
+        assert_eq!(Entry::decode(&long), None, "more than OWNERS owners");
     }
 
     #[test]
