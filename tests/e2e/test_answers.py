@@ -10,9 +10,9 @@ filter routes on fleet state and keeps its prefix index.
 What is shown: the per-replica counters `kvroute_prefix_expected_tokens_total`
 and `kvroute_prefix_cached_tokens_total` move with an answer the index
 expected a hit for; and after a replica's cache is flushed, the first answer
-that falls short drops the index entries, so the prefix stops attracting
-requests to that replica (the next one goes to the key's home, and its
-decision expects nothing cached).
+that falls short drops that replica's index entries, so the prefix stops
+attracting requests to it (the next one goes to the other replica the index
+knows holds the prompt, and finds it cached there).
 """
 
 from __future__ import annotations
@@ -66,20 +66,23 @@ def test_counters_move_and_an_evicted_prefix_stops_attracting(stack):
     # The key's home: where the prompt goes with an empty index.
     home = ask(stack, body).served_by
     assert expected_cached(ask(stack, body)) > 0, "the index saw the first send"
-    # Elsewhere, the index's evidence of the whole prompt beats the home's
-    # assumed share: place the prompt on another replica R by taking the
-    # home out for one request.
+    # Place the prompt on a second replica R too, by taking the home out for
+    # one request: the index then names both (it keeps several replicas per
+    # block, and a request placed by its prefix counts them all).
     down = {home: {"ready": False}}
     assert stack.push_fleet(overrides=down).status == 204
     r = ask(stack, body)
-    replica = r.served_by
-    assert replica != home, r.describe()
+    second = r.served_by
+    assert second != home, r.describe()
     assert stack.push_fleet().status == 204
 
     before = stack.envoy.kvroute_metrics()
-    # The index attracts the prompt to R, which reports it cached.
+    # The index attracts the prompt to one of the two (X, the first of
+    # equals in the key's order), which reports it cached.
     r = ask(stack, body)
-    assert r.served_by == replica, r.describe()
+    replica = r.served_by
+    assert replica in (home, second), r.describe()
+    other = second if replica == home else home
     want = expected_cached(r)
     assert want > 1500, r.describe()
     cached = r.body["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -95,7 +98,7 @@ def test_counters_move_and_an_evicted_prefix_stops_attracting(stack):
     assert grew["kvroute_prefix_expected_tokens_total"] > 0, (grew, after)
     assert after.get("kvroute_prefix_shortfalls_total", 0) == before.get("kvroute_prefix_shortfalls_total", 0)
 
-    # R loses its cache. The index still expects the prompt there ...
+    # X loses its cache. The index still expects the prompt there ...
     stack.replica_control(replica, flush_cache=True)
     # (A shortfall only removes entries older than answers::SETTLE_MS, 2 s,
     # at the decision: a younger send may still be in its prefill.)
@@ -103,18 +106,20 @@ def test_counters_move_and_an_evicted_prefix_stops_attracting(stack):
     r = ask(stack, body)
     assert r.served_by == replica and expected_cached(r) > 1500, r.describe()
     assert r.body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, r.body
-    # ... and the answer says nothing was: the entries are dropped.
+    # ... and the answer says nothing was: X's entries are dropped.
     m = stack.envoy.kvroute_metrics()
     dropped = m.get("kvroute_prefix_entries_dropped_total", 0) - before.get("kvroute_prefix_entries_dropped_total", 0)
     shortfalls = m.get("kvroute_prefix_shortfalls_total", 0) - before.get("kvroute_prefix_shortfalls_total", 0)
     print(f"after the flush: {shortfalls:.0f} shortfall, {dropped:.0f} index entries dropped")
     assert shortfalls == 1, m
     assert dropped >= 1, m
-    # The prefix no longer attracts requests to R: the next one goes home,
-    # expecting nothing cached (the index no longer names any replica).
+    # The prefix no longer attracts requests to X: the next one goes to the
+    # other replica that holds it, which the index still names and which
+    # reports it cached.
     r = ask(stack, body)
-    assert r.served_by == home, r.describe()
-    assert expected_cached(r) == 0, r.describe()
+    assert r.served_by == other, r.describe()
+    assert expected_cached(r) > 1500, r.describe()
+    assert r.body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, r.body
 
 
 def test_answers_without_a_cached_figure_teach_nothing(stack):
