@@ -1364,42 +1364,47 @@ mod tests {
         assert_eq!(dec.reason, Reason::Session);
     }
 
-    /// Sessions over a long shared prefix that carries a tenth of the
-    /// traffic (too much for one home at `prefixAffinityShare` 0.25 of a
-    /// replica, on 8 replicas) are homed within its 4-replica rendezvous
-    /// subset; with `prefixSubsetFirst` at 1 they spread over all 8.
+    /// Eight configured hosts, with `fleet.prefixSubsetFirst` as given.
+    fn eight_hosts(subset_first: f64) -> Config {
+        Config::from_json(
+            format!(
+                r#"{{"hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004",
+                    "127.0.0.1:8005","127.0.0.1:8006","127.0.0.1:8007","127.0.0.1:8008"],
+                    "fleet":{{"prefixSubsetFirst":{subset_first}}}}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    /// Request `i` of a stream in which every tenth asks a question about
+    /// one shared document (a 6000-byte system prompt) and the others are
+    /// short distinct prompts.
+    fn one_in_ten_a_document(c: &Config, i: usize, session: &str) -> Facts {
+        let messages = if i % 10 == 0 {
+            json!([{"role":"system","content": "doc ".repeat(1500)},{"role":"user","content":"q"}])
+        } else {
+            json!([{"role":"user","content": format!("other {i}")}])
+        };
+        analyze(
+            c,
+            Endpoint::ChatCompletions,
+            Some(session),
+            &chat(messages, json!({})),
+        )
+        .unwrap()
+    }
+
     #[test]
     fn a_prefix_placed_request_sees_every_replica_it_was_sent_to() {
         // A document request goes to its home, then the same prompt is sent
         // to a replica outside this gateway's list: only a request placed
         // by its shared prefix still counts the home as holding it.
         let placed_on = |subset_first: f64| {
-            let c = Config::from_json(
-                format!(
-                    r#"{{"hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004",
-                        "127.0.0.1:8005","127.0.0.1:8006","127.0.0.1:8007","127.0.0.1:8008"],
-                        "fleet":{{"prefixSubsetFirst":{subset_first}}}}}"#
-                )
-                .as_bytes(),
-            )
-            .unwrap();
+            let c = eight_hosts(subset_first);
             let (store, m) = (MemorySharedData::default(), MemoryMetrics::default());
             let mut cache = IndexCache::default();
-            let doc = |i: usize| -> Facts {
-                let messages = if i % 10 == 0 {
-                    json!([{"role":"system","content": "doc ".repeat(1500)},{"role":"user","content":"q"}])
-                } else {
-                    json!([{"role":"user","content": format!("other {i}")}])
-                };
-                let body = chat(messages, json!({}));
-                analyze(
-                    &c,
-                    Endpoint::ChatCompletions,
-                    Some(&format!("s-{i}")),
-                    &body,
-                )
-                .unwrap()
-            };
+            let doc = |i: usize| one_in_ten_a_document(&c, i, &format!("s-{i}"));
             // Traffic in which the document carries a tenth of the requests
             // (to the index, every request goes to 8001..8008 at 0 ms).
             for i in 1..300 {
@@ -1428,36 +1433,24 @@ mod tests {
         assert_eq!(cached, 0);
     }
 
+    /// Sessions over a long shared prefix that carries a tenth of the
+    /// traffic (too much for one home at `prefixAffinityShare` 0.25 of a
+    /// replica, on 8 replicas) are homed within its 4-replica rendezvous
+    /// subset; with `prefixSubsetFirst` at 1 they spread over all 8.
     #[test]
     fn a_shared_prefix_homes_its_sessions_within_a_subset() {
         let homes = |subset_first: f64| {
-            let c = Config::from_json(
-                format!(
-                    r#"{{"hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004",
-                        "127.0.0.1:8005","127.0.0.1:8006","127.0.0.1:8007","127.0.0.1:8008"],
-                        "fleet":{{"prefixSubsetFirst":{subset_first}}}}}"#
-                )
-                .as_bytes(),
-            )
-            .unwrap();
+            let c = eight_hosts(subset_first);
             let (store, m) = (MemorySharedData::default(), MemoryMetrics::default());
             let mut cache = IndexCache::default();
             let mut seen = std::collections::BTreeSet::new();
             for i in 0..600 {
-                let (messages, session) = if i % 10 == 0 {
-                    let doc = "doc ".repeat(1500);
-                    (
-                        json!([{"role":"system","content": doc},{"role":"user","content":"q"}]),
-                        format!("doc-{i}"),
-                    )
+                let session = if i % 10 == 0 {
+                    format!("doc-{i}")
                 } else {
-                    (
-                        json!([{"role":"user","content": format!("other {i}")}]),
-                        format!("o-{i}"),
-                    )
+                    format!("o-{i}")
                 };
-                let body = chat(messages, json!({}));
-                let f = analyze(&c, Endpoint::ChatCompletions, Some(&session), &body).unwrap();
+                let f = one_in_ten_a_document(&c, i, &session);
                 let d = route(&c, &store, &m, &mut cache, Ok(&f), None, 0, 0);
                 release(&c, &store, &m, d.charge.unwrap());
                 if i >= 200 && i % 10 == 0 {

@@ -119,10 +119,7 @@ impl Entry {
     fn filter(&self, keep: impl Fn(&Owner) -> bool) -> Option<Entry> {
         let mut out = Entry { len: 0, ..*self };
         for o in self.owners().iter().filter(|o| keep(o)) {
-            if let Some(slot) = out.owners.get_mut(out.len) {
-                *slot = *o;
-                out.len += 1;
-            }
+            out.push(*o);
         }
         (out.len > 0).then_some(out)
     }
@@ -132,12 +129,17 @@ impl Entry {
     fn with(&self, owner: Owner) -> Entry {
         let mut out = Entry::single(self.block, owner);
         for o in self.owners().iter().filter(|o| o.host != owner.host) {
-            if let Some(slot) = out.owners.get_mut(out.len) {
-                *slot = *o;
-                out.len += 1;
-            }
+            out.push(*o);
         }
         out
+    }
+
+    /// Appends `o` as the least recent owner, if there is room.
+    fn push(&mut self, o: Owner) {
+        if let Some(slot) = self.owners.get_mut(self.len) {
+            *slot = o;
+            self.len += 1;
+        }
     }
 
     fn encode(&self) -> Vec<u8> {
