@@ -139,6 +139,10 @@ pub struct RawFleet {
     pub memory_seconds: f64,
     #[serde(default = "defaults::memory_floor")]
     pub memory_floor: f64,
+    #[serde(default = "defaults::spill_cost_ratio")]
+    pub spill_cost_ratio: f64,
+    #[serde(default = "defaults::spill_margin_ms")]
+    pub spill_margin_ms: f64,
     #[serde(default = "defaults::cost_quantum_ms")]
     pub cost_quantum_ms: f64,
     #[serde(default = "defaults::recompute_full_kv")]
@@ -169,6 +173,8 @@ impl Default for RawFleet {
             memory_knee: defaults::memory_knee(),
             memory_seconds: defaults::memory_seconds(),
             memory_floor: defaults::memory_floor(),
+            spill_cost_ratio: defaults::spill_cost_ratio(),
+            spill_margin_ms: defaults::spill_margin_ms(),
             cost_quantum_ms: defaults::cost_quantum_ms(),
             recompute_full_kv: defaults::recompute_full_kv(),
             prefix_affinity_share: defaults::prefix_affinity_share(),
@@ -438,6 +444,26 @@ pub mod defaults {
     pub fn memory_floor() -> f64 {
         0.9
     }
+    /// Bounded load moves a request that continues a conversation off its
+    /// first replica (its home, where its history is) only when the
+    /// replica it would spill to is predicted to cost at most this many
+    /// times as much, plus `spillMarginMs` (0: bounded load always
+    /// spills). The memory term already moves a conversation off a full
+    /// home; a spill to a cold replica computes its whole history again.
+    /// Fleet simulation, 16 replicas, seeds 1-6, TTFT p95 median (mean) ms,
+    /// ratio / margin 1.25 / 50, 2 / 100, 4 / 250 and no spill at all:
+    /// agent at K = 1 1242 (1111) -> 1212 (998), 1004 (903), 1031 (857),
+    /// 1212 (1024); at K = 4 1463 (1428) -> 1212 (1032), 1212 (1024), 1212
+    /// (1008), 1212 (1032); chat at K = 4 203 (191) -> 204 (194), 210 (196),
+    /// 204 (193), 214 (195); the other families unchanged
+    /// (docs/fleet-state.md, "A conversation's spill must be cheap").
+    pub fn spill_cost_ratio() -> f64 {
+        4.0
+    }
+    /// See `spillCostRatio`.
+    pub fn spill_margin_ms() -> f64 {
+        250.0
+    }
     /// Predicted costs within this many milliseconds tie, and the
     /// rendezvous rank decides: keeps the pick stable against metric noise.
     pub fn cost_quantum_ms() -> f64 {
@@ -547,6 +573,9 @@ pub struct FleetConfig {
     pub memory_knee: f64,
     pub memory_seconds: f64,
     pub memory_floor: f64,
+    pub spill_cost_ratio: f64,
+    /// In seconds.
+    pub spill_margin_s: f64,
     /// In seconds.
     pub cost_quantum_s: f64,
     pub recompute_full_kv: f64,
@@ -783,6 +812,21 @@ impl RawConfig {
                 "must be between 0 and 3600",
             ));
         }
+        let ratio = f.spill_cost_ratio;
+        if !(ratio == 0.0 || (ratio.is_finite() && (1.0..=1000.0).contains(&ratio))) {
+            return Err(err(
+                "fleet.spillCostRatio",
+                ratio,
+                "must be 0 (off) or between 1 and 1000",
+            ));
+        }
+        if !(f.spill_margin_ms.is_finite() && (0.0..=60_000.0).contains(&f.spill_margin_ms)) {
+            return Err(err(
+                "fleet.spillMarginMs",
+                f.spill_margin_ms,
+                "must be between 0 and 60000",
+            ));
+        }
         if !(f.cost_quantum_ms.is_finite() && (0.0..=10_000.0).contains(&f.cost_quantum_ms)) {
             return Err(err(
                 "fleet.costQuantumMs",
@@ -878,6 +922,8 @@ impl RawConfig {
             memory_knee: f.memory_knee,
             memory_seconds: f.memory_seconds,
             memory_floor: f.memory_floor,
+            spill_cost_ratio: f.spill_cost_ratio,
+            spill_margin_s: f.spill_margin_ms / 1000.0,
             cost_quantum_s: f.cost_quantum_ms / 1000.0,
             recompute_full_kv: f.recompute_full_kv,
             prefix_affinity_share: f.prefix_affinity_share,
@@ -1041,6 +1087,10 @@ mod tests {
         assert_eq!(c.fleet.home_cached_share, 0.95);
         assert_eq!(c.fleet.peer_pending_weight, 0.75);
         assert_eq!(c.fleet.cost_quantum_s, 0.002);
+        assert_eq!(
+            (c.fleet.spill_cost_ratio, c.fleet.spill_margin_s),
+            (4.0, 0.25)
+        );
         assert_eq!(c.fleet.snapshot_key, "kvroute.fleet.v1");
         assert!(c.ingest.is_none());
     }
@@ -1127,6 +1177,16 @@ mod tests {
                 r#"{"hosts":["127.0.0.1:1"],"fleet":{"peerPendingWeight":1.5}}"#,
                 "fleet.peerPendingWeight",
                 "between 0 and 1",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"fleet":{"spillCostRatio":0.5}}"#,
+                "fleet.spillCostRatio",
+                "0 (off) or between 1 and 1000",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"fleet":{"spillMarginMs":-1}}"#,
+                "fleet.spillMarginMs",
+                "between 0 and 60000",
             ),
             (
                 r#"{"hosts":["127.0.0.1:1"],"fleet":{"prefillTokensPerS":0}}"#,

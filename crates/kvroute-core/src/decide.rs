@@ -126,7 +126,7 @@ use crate::index::{self, Index, IndexCache};
 use crate::load::{self, Charge, Entry, LoadTable};
 use crate::picker::{self, Bounds, HostSet, Pick};
 use crate::request::{self, CanonicalSink, Endpoint, ParseError};
-use crate::score::{self, Candidate};
+use crate::score::{self, Candidate, SpillGuard};
 use crate::usage;
 
 /// Separates session keys from prefix keys of the same model.
@@ -822,6 +822,7 @@ fn scored(
                 id: r.id,
                 score: -(ttft + memory_term),
                 pressured: r.fresh && !r.headroom,
+                memory_costed: r.fresh && r.capacity.is_some(),
                 load: r.memory,
                 floor: r.capacity.map_or(cfg.load_floor_tokens, |c| {
                     ((c as f64 * f.memory_floor) as u64).saturating_sub(need)
@@ -829,7 +830,14 @@ fn scored(
             }
         })
         .collect();
-    let pick = score::pick_scored(&cands, key, need, f.cost_quantum_s, bounds(cfg));
+    // A conversation's history is on its home: bounded load may not move
+    // it off at any price (the cost's memory term moves it when the home is
+    // full), only when the move costs little more.
+    let guard = (facts.continues && f.spill_cost_ratio > 0.0).then_some(SpillGuard {
+        ratio: f.spill_cost_ratio,
+        margin_s: f.spill_margin_s,
+    });
+    let pick = score::pick_scored(&cands, key, need, f.cost_quantum_s, bounds(cfg), guard);
     let key = Some(key);
     let Some(p) = pick else {
         return Decision {
@@ -2113,6 +2121,38 @@ mod tests {
             fleet_pick_with(&tenth, &with_peers(Some(200_000)), &f, 5000).targets[0],
             other
         );
+    }
+
+    /// Bounded load spills a new conversation off a home whose memory is
+    /// past the bound, but not a continuing one when the replica it would
+    /// go to costs more than `spillCostRatio` times as much (its history
+    /// would be computed again there); with the ratio at 0 it spills too.
+    #[test]
+    fn a_conversation_is_not_spilled_where_it_costs_much_more() {
+        let opening = "a long opening question ".repeat(5000); // about 30k tokens
+        let first = chat(json!([{"role":"user","content":opening}]), json!({}));
+        let next = chat(
+            json!([{"role":"user","content":opening},{"role":"assistant","content":"hi"},
+                   {"role":"user","content":"and then?"}]),
+            json!({}),
+        );
+        let (f1, f2) = (facts(&first, Some("conv")), facts(&next, Some("conv")));
+        assert!(!f1.continues && f2.continues);
+        let (home, other) = home_of_two(&f2);
+        // The home holds 60k of 100k tokens: above the bound (1.25 x the
+        // average) and the memory floor (90 % less the request's ~31k), yet
+        // predicted at about 0.5 s against about 4 s cold on the other.
+        let full = view(&[(&home, true, 0.6, 0, &[]), (other, true, 0.0, 0, &[])], 0);
+        let d1 = fleet_pick(&full, &f1, 5000);
+        assert_eq!((d1.reason, d1.targets[0].as_str()), (Reason::Spill, other));
+        let d2 = fleet_pick(&full, &f2, 5000);
+        assert_eq!((d2.reason, &d2.targets[0]), (Reason::Session, &home));
+        assert_eq!(d2.targets[1], other, "the spill target is the fallback");
+        let off =
+            Config::from_json(br#"{"hosts":["127.0.0.1:8001"],"fleet":{"spillCostRatio":0}}"#)
+                .unwrap();
+        let d3 = fleet_pick_with(&off, &full, &f2, 5000);
+        assert_eq!((d3.reason, d3.targets[0].as_str()), (Reason::Spill, other));
     }
 
     /// A replica without headroom by the snapshot takes no new

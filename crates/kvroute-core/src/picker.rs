@@ -235,9 +235,10 @@ mod tests {
                 pressured: false,
                 load: load_of(loads, index),
                 floor: 0,
+                memory_costed: false,
             })
             .collect();
-        pick_scored(&cands, key, cost, 0.0, bounds)
+        pick_scored(&cands, key, cost, 0.0, bounds, None)
     }
 
     #[test]

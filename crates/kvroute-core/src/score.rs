@@ -77,6 +77,19 @@
 //! already spreads load. Without, it is what spills a hot key: the home's
 //! pending prefill is only the part its prefix index does not hold, so its
 //! cost stays low while its memory grows.
+//!
+//! A request that continues a conversation is not spilled at any price:
+//! where the first replica's cost carries the memory term (fresh engine
+//! data with its KV capacity), bounded load moves the request only when
+//! the replica it would go to is predicted to cost at most
+//! `spillCostRatio` times as much plus `spillMarginMs` ([`SpillGuard`]);
+//! otherwise it stays, and that replica is its first fallback. The memory
+//! term already moves a conversation off a home that is truly full; a
+//! spill to a cold replica computes its whole history again there, and
+//! the other gateways, which did not see the spill, send the next turn
+//! home. Fleet simulation, agent family (60k-token contexts, KV memory
+//! binds), seeds 1-6: TTFT p95 median 1242 -> 1031 ms at one gateway,
+//! 1463 -> 1212 at four (docs/fleet-state.md).
 
 use std::cmp::Ordering;
 
@@ -98,6 +111,27 @@ pub struct Candidate {
     pub load: u64,
     /// At or below this load the replica always admits.
     pub floor: u64,
+    /// Its cost carries the memory term (fresh engine data with the KV
+    /// capacity): a [`SpillGuard`] may keep a request on it.
+    pub memory_costed: bool,
+}
+
+/// When bounded load may not move a request off the first replica of its
+/// order (a [`Candidate::memory_costed`] one): when the first admissible
+/// replica's predicted cost exceeds `ratio` times the first's plus
+/// `margin_s`, the request stays on the first (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpillGuard {
+    pub ratio: f64,
+    pub margin_s: f64,
+}
+
+impl SpillGuard {
+    /// Whether the guard keeps the request on `first` rather than spill it
+    /// to `to`.
+    fn keeps(&self, first: &Candidate, to: &Candidate) -> bool {
+        first.memory_costed && -to.score > self.ratio * -first.score + self.margin_s
+    }
 }
 
 fn bucket(score: f64, quantum: f64) -> f64 {
@@ -163,7 +197,10 @@ fn order(cands: &[Candidate], key: u64, quantum: f64) -> Vec<usize> {
 
 /// Bounded-load pick over scored candidates. Indices in the result are the
 /// candidates' `index` fields; `spilled` means the first in order was not
-/// admissible.
+/// admissible and the request went elsewhere. With a `guard`, a spill that
+/// would cost too much more than the first replica (see [`SpillGuard`]) is
+/// refused: the first stays the primary, and the replica it would have
+/// spilled to is its first fallback.
 ///
 /// The order is walked lazily (a heap built in linear time, popped until
 /// the primary and its fallbacks are found), since a pick needs the first
@@ -176,6 +213,7 @@ pub fn pick_scored(
     cost: u64,
     quantum: f64,
     bounds: Bounds,
+    guard: Option<SpillGuard>,
 ) -> Option<Pick> {
     let load = |k: usize| cands.get(k).map_or(0, |c| c.load);
     let total = cands.iter().map(|c| c.load).fold(0u64, u64::saturating_add);
@@ -198,7 +236,14 @@ pub fn pick_scored(
             continue;
         }
         if primary.is_none() {
-            primary = Some(k);
+            let first = walked.first().and_then(|&f| cands.get(f).map(|c| (f, c)));
+            match (first, cands.get(k), guard) {
+                (Some((f, fc)), Some(to), Some(g)) if f != k && g.keeps(fc, to) => {
+                    primary = Some(f);
+                    admissible_others += 1;
+                }
+                _ => primary = Some(k),
+            }
         } else {
             admissible_others += 1;
         }
@@ -237,6 +282,7 @@ mod tests {
             pressured,
             load,
             floor: 0,
+            memory_costed: true,
         }
     }
 
@@ -253,7 +299,7 @@ mod tests {
             cand(1, 2.0, false, 0),
             cand(2, 1.0, true, 0),
         ];
-        let p = pick_scored(&c, 1, 10, 0.05, B).unwrap();
+        let p = pick_scored(&c, 1, 10, 0.05, B, None).unwrap();
         assert_eq!(p.primary, 1);
         assert_eq!(p.fallbacks, vec![2, 0]);
         assert!(!p.spilled);
@@ -266,7 +312,7 @@ mod tests {
             .collect();
         let mut seen = std::collections::HashSet::new();
         for key in 0..64 {
-            seen.insert(pick_scored(&c, key, 1, 0.05, B).unwrap().primary);
+            seen.insert(pick_scored(&c, key, 1, 0.05, B, None).unwrap().primary);
         }
         assert!(seen.len() >= 6, "keys spread over equal replicas: {seen:?}");
     }
@@ -278,20 +324,50 @@ mod tests {
             cand(1, 0.0, false, 0),
             cand(2, 0.0, false, 1000),
         ];
-        let p = pick_scored(&c, 5, 1000, 0.05, B).unwrap();
+        let p = pick_scored(&c, 5, 1000, 0.05, B, None).unwrap();
         assert_ne!(p.primary, 0);
         assert!(p.spilled);
         // Under its own floor it admits whatever the average.
         let mut floored = c;
         floored[0].floor = 60_000;
-        let p = pick_scored(&floored, 5, 1000, 0.05, B).unwrap();
+        let p = pick_scored(&floored, 5, 1000, 0.05, B, None).unwrap();
         assert_eq!(p.primary, 0);
         assert!(!p.spilled);
     }
 
+    /// A guarded first replica keeps the request when the spill would cost
+    /// more than the ratio times its cost plus the margin; a cheap spill
+    /// still happens, and a replica whose cost has no memory term is not
+    /// guarded.
+    #[test]
+    fn a_guarded_spill_happens_only_when_it_is_cheap() {
+        let g = Some(SpillGuard {
+            ratio: 2.0,
+            margin_s: 0.1,
+        });
+        // Over the bound at 2.3 s; the empty replicas cost 15.7 and 16 s.
+        let c = [
+            cand(0, -2.3, false, 300_000),
+            cand(1, -15.7, false, 0),
+            cand(2, -16.0, false, 0),
+        ];
+        let p = pick_scored(&c, 5, 1000, 0.002, B, g).unwrap();
+        assert_eq!((p.primary, p.spilled), (0, false));
+        assert_eq!(p.fallbacks, vec![1, 2], "the spill target comes next");
+        assert!(pick_scored(&c, 5, 1000, 0.002, B, None).unwrap().spilled);
+        let mut bare = c;
+        bare[0].memory_costed = false;
+        assert_eq!(pick_scored(&bare, 5, 1000, 0.002, B, g).unwrap().primary, 1);
+        // At 4.6 s (2 x 2.3) the spill is within the ratio: it happens.
+        let mut cheap = c;
+        cheap[1].score = -4.6;
+        let p = pick_scored(&cheap, 5, 1000, 0.002, B, g).unwrap();
+        assert_eq!((p.primary, p.spilled), (1, true));
+    }
+
     #[test]
     fn empty_candidates_give_none() {
-        assert!(pick_scored(&[], 1, 1, 0.05, B).is_none());
+        assert!(pick_scored(&[], 1, 1, 0.05, B, None).is_none());
     }
 
     /// The walk over the whole sorted order, as the pick was first written.
@@ -301,6 +377,7 @@ mod tests {
         cost: u64,
         quantum: f64,
         bounds: Bounds,
+        guard: Option<SpillGuard>,
     ) -> Option<Pick> {
         let ord = order(cands, key, quantum);
         let first = *ord.first()?;
@@ -312,6 +389,10 @@ mod tests {
             .iter()
             .copied()
             .find(|&k| admissible(k))
+            .map(|k| match guard {
+                Some(g) if g.keeps(&cands[first], &cands[k]) => first,
+                _ => k,
+            })
             .or_else(|| ord.iter().copied().min_by_key(|&k| load(k)))
             .unwrap_or(first);
         let rest = ord.iter().copied().filter(|&k| k != primary);
@@ -334,32 +415,35 @@ mod tests {
         /// counts: the lazy walk picks exactly what the sorted walk does.
         #[test]
         fn the_lazy_walk_is_the_sorted_walk(
-            cands in prop::collection::vec((0u8..6, 0u64..20_000, 0u64..8_000), 1..60),
+            cands in prop::collection::vec((0u8..6, 0u64..20_000, 0u64..8_000, any::<bool>()), 1..60),
             key in any::<u64>(),
             cost in 0u64..20_000,
             epsilon in 0.0f64..1.0,
             fallbacks in 0usize..6,
+            guard in prop::option::of((1.0f64..3.0, 0.0f64..0.2)),
         ) {
             let c: Vec<Candidate> = cands
                 .iter()
                 .enumerate()
-                .map(|(i, &(s, load, floor))| Candidate {
+                .map(|(i, &(s, load, floor, memory_costed))| Candidate {
                     index: i * 2 + 1,
                     id: i as u64 * 7919 + 3,
                     score: -f64::from(s) * 0.05,
                     pressured: false,
                     load,
                     floor,
+                    memory_costed,
                 })
                 .collect();
             let b = Bounds { epsilon, floor: 0, fallbacks };
-            prop_assert_eq!(pick_scored(&c, key, cost, 0.05, b), pick_sorted(&c, key, cost, 0.05, b));
+            let g = guard.map(|(ratio, margin_s)| SpillGuard { ratio, margin_s });
+            prop_assert_eq!(pick_scored(&c, key, cost, 0.05, b, g), pick_sorted(&c, key, cost, 0.05, b, g));
         }
 
         #[test]
         fn fallbacks_distinct_and_order_total(scores in prop::collection::vec((-5.0f64..5.0, any::<bool>(), 0u64..10_000), 1..40), key in any::<u64>()) {
             let c: Vec<Candidate> = scores.iter().enumerate().map(|(i, &(s, p, l))| cand(i * 3, s, p, l)).collect();
-            let p = pick_scored(&c, key, 500, 0.05, Bounds { epsilon: 0.25, floor: 0, fallbacks: 4 }).unwrap();
+            let p = pick_scored(&c, key, 500, 0.05, Bounds { epsilon: 0.25, floor: 0, fallbacks: 4 }, None).unwrap();
             let mut all = p.fallbacks.clone();
             all.push(p.primary);
             let n = all.len();
@@ -368,7 +452,7 @@ mod tests {
             prop_assert_eq!(all.len(), n);
             prop_assert_eq!(p.fallbacks.len(), 4.min(c.len() - 1));
             // Deterministic.
-            prop_assert_eq!(pick_scored(&c, key, 500, 0.05, Bounds { epsilon: 0.25, floor: 0, fallbacks: 4 }), Some(p));
+            prop_assert_eq!(pick_scored(&c, key, 500, 0.05, Bounds { epsilon: 0.25, floor: 0, fallbacks: 4 }, None), Some(p));
         }
     }
 }
