@@ -830,9 +830,9 @@ fn scored(
             }
         })
         .collect();
-    // A conversation's history is on its home: bounded load may not move
-    // it off at any price (the cost's memory term moves it when the home is
-    // full), only when the move costs little more.
+    // A conversation's history is on its home: bounded load moves it off
+    // only when the move costs little more (the cost's memory term already
+    // moves it off a full home).
     let guard = (facts.continues && f.spill_cost_ratio > 0.0).then_some(SpillGuard {
         ratio: f.spill_cost_ratio,
         margin_s: f.spill_margin_s,
@@ -2123,13 +2123,9 @@ mod tests {
         );
     }
 
-    /// Bounded load spills a new conversation off a home whose memory is
-    /// past the bound, but not a continuing one when the replica it would
-    /// go to costs more than `spillCostRatio` times as much (its history
-    /// would be computed again there); with the ratio at 0 it spills too.
-    #[test]
-    fn a_conversation_is_not_spilled_where_it_costs_much_more() {
-        let opening = "a long opening question ".repeat(5000); // about 30k tokens
+    /// The first and second turn of one conversation (session `conv`) that
+    /// opens with `opening`.
+    fn two_turns(opening: &str) -> (Facts, Facts) {
         let first = chat(json!([{"role":"user","content":opening}]), json!({}));
         let next = chat(
             json!([{"role":"user","content":opening},{"role":"assistant","content":"hi"},
@@ -2138,6 +2134,17 @@ mod tests {
         );
         let (f1, f2) = (facts(&first, Some("conv")), facts(&next, Some("conv")));
         assert!(!f1.continues && f2.continues);
+        (f1, f2)
+    }
+
+    /// Bounded load spills a new conversation off a home whose memory is
+    /// past the bound, but not a continuing one when the replica it would
+    /// go to costs more than `spillCostRatio` times as much (its history
+    /// would be computed again there); with the ratio at 0 it spills too.
+    #[test]
+    fn a_conversation_is_not_spilled_where_it_costs_much_more() {
+        let opening = "a long opening question ".repeat(5000); // about 30k tokens
+        let (f1, f2) = two_turns(&opening);
         let (home, other) = home_of_two(&f2);
         // The home holds 60k of 100k tokens: above the bound (1.25 x the
         // average) and the memory floor (90 % less the request's ~31k), yet
@@ -2163,14 +2170,7 @@ mod tests {
         let c = Config::from_json(br#"{"hosts":["127.0.0.1:8001"],"fleet":{"kvPressure":0.5}}"#)
             .unwrap();
         let opening = "a long opening question ".repeat(400); // about 2400 tokens
-        let first = chat(json!([{"role":"user","content":opening}]), json!({}));
-        let next = chat(
-            json!([{"role":"user","content":opening},{"role":"assistant","content":"hi"},
-                   {"role":"user","content":"and then?"}]),
-            json!({}),
-        );
-        let (f1, f2) = (facts(&first, Some("conv")), facts(&next, Some("conv")));
-        assert!(!f1.continues && f2.continues);
+        let (f1, f2) = two_turns(&opening);
         assert_eq!(f1.affinity, f2.affinity);
         let (home, other) = home_of_two(&f2);
         // The home at 60 % KV: past kvPressure, below the memory knee.
