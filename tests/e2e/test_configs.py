@@ -236,6 +236,8 @@ def test_schema_defaults_are_valid(schema: dict):
         ({"hosts": ["127.0.0.1:1"], "fleet": {"spillCostRatio": 0, "spillMarginMs": 0}}, True),
         ({"hosts": ["127.0.0.1:1"], "fleet": {"spillCostRatio": 1.5, "spillMarginMs": 250}}, True),
         ({"hosts": ["127.0.0.1:1"], "fleet": {"spillCostRatio": 0.5}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"coldHomeShare": 0.5}}, True),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"coldHomeShare": 1.01}}, False),
         ({"hosts": ["127.0.0.1:1"], "fleet": {"spillMarginMs": -1}}, False),
         ({"hosts": ["127.0.0.1:1"], "fleet": {"prefixIndexSlots": 1048577}}, False),
         ({"hosts": ["127.0.0.1:1"], "fleet": {"staleAfter": 1}}, False),

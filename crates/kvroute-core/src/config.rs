@@ -129,6 +129,8 @@ pub struct RawFleet {
     pub prefill_tokens_per_s: u64,
     #[serde(default = "defaults::home_cached_share")]
     pub home_cached_share: f64,
+    #[serde(default)]
+    pub cold_home_share: Option<f64>,
     #[serde(default = "defaults::recompute_weight")]
     pub recompute_weight: f64,
     #[serde(default = "defaults::peer_pending_weight")]
@@ -168,6 +170,7 @@ impl Default for RawFleet {
             waiting_request_tokens: defaults::waiting_request_tokens(),
             prefill_tokens_per_s: defaults::prefill_tokens_per_s(),
             home_cached_share: defaults::home_cached_share(),
+            cold_home_share: None,
             recompute_weight: defaults::recompute_weight(),
             peer_pending_weight: defaults::peer_pending_weight(),
             memory_knee: defaults::memory_knee(),
@@ -568,6 +571,12 @@ pub struct FleetConfig {
     pub waiting_request_tokens: u64,
     pub prefill_tokens_per_s: f64,
     pub home_cached_share: f64,
+    /// The home's assumed share for a cold request: `coldHomeShare`,
+    /// else `homeCachedShare`.
+    pub cold_home_share: f64,
+    /// Whether this gateway remembers where it placed a key's cold
+    /// request (set by a `coldHomeShare` below `homeCachedShare`).
+    pub key_memory: bool,
     pub recompute_weight: f64,
     pub peer_pending_weight: f64,
     pub memory_knee: f64,
@@ -779,6 +788,10 @@ impl RawConfig {
         let f = &self.fleet;
         let shares = [
             ("fleet.homeCachedShare", f.home_cached_share),
+            (
+                "fleet.coldHomeShare",
+                f.cold_home_share.unwrap_or(f.home_cached_share),
+            ),
             ("fleet.memoryFloor", f.memory_floor),
             ("fleet.recomputeFullKv", f.recompute_full_kv),
             ("fleet.prefixAffinityShare", f.prefix_affinity_share),
@@ -917,6 +930,8 @@ impl RawConfig {
             waiting_request_tokens: f.waiting_request_tokens,
             prefill_tokens_per_s: f.prefill_tokens_per_s as f64,
             home_cached_share: f.home_cached_share,
+            cold_home_share: f.cold_home_share.unwrap_or(f.home_cached_share),
+            key_memory: f.cold_home_share.is_some_and(|c| c < f.home_cached_share),
             recompute_weight: f.recompute_weight,
             peer_pending_weight: f.peer_pending_weight,
             memory_knee: f.memory_knee,
@@ -1085,6 +1100,7 @@ mod tests {
         assert_eq!(c.role, Role::Router);
         assert_eq!(c.fleet.stale_after_ms, 2000);
         assert_eq!(c.fleet.home_cached_share, 0.95);
+        assert_eq!((c.fleet.cold_home_share, c.fleet.key_memory), (0.95, false));
         assert_eq!(c.fleet.peer_pending_weight, 0.75);
         assert_eq!(c.fleet.cost_quantum_s, 0.002);
         assert_eq!(
@@ -1171,6 +1187,11 @@ mod tests {
             (
                 r#"{"hosts":["127.0.0.1:1"],"fleet":{"homeCachedShare":-0.1}}"#,
                 "fleet.homeCachedShare",
+                "between 0 and 1",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"fleet":{"coldHomeShare":1.5}}"#,
+                "fleet.coldHomeShare",
                 "between 0 and 1",
             ),
             (
