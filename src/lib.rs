@@ -45,6 +45,7 @@ use kvroute_core::host::{header_text, AdmissionCounter, Counter, Gauge, Metrics,
 use kvroute_core::index::IndexCache;
 use kvroute_core::ingest::{self, Ask, FleetCache, Outcome, Refresh, INGEST_PATH};
 use kvroute_core::load::{self, Charge, LoadReport};
+use kvroute_core::placed;
 use kvroute_core::usage::{self, Tracker};
 use kvroute_core::{Config, Endpoint};
 use proxy_wasm::hostcalls;
@@ -984,7 +985,7 @@ impl Ingest {
 
     /// This gateway's load table by address: the hosts of the stored
     /// snapshot and the configured ones.
-    fn answer_load(&mut self) -> Action {
+    fn answer_load(&mut self, with_placed: bool) -> Action {
         let cfg = &self.shared.config;
         let table = load::read(&HostSharedData, &cfg.load_key);
         let (view, _) = self.shared.fleet.borrow_mut().refresh(cfg, &HostSharedData);
@@ -992,7 +993,12 @@ impl Ingest {
         if let Some(v) = view.as_deref() {
             known.push(&v.set);
         }
-        let body = LoadReport::of(&table, &known).to_json();
+        let mut report = LoadReport::of(&table, &known);
+        if with_placed {
+            let placed = placed::recent(&HostSharedData, &cfg.fleet.placed_key, &known, now_ms());
+            report.placed = Some(placed);
+        }
+        let body = report.to_json();
         json_reply(200, std::str::from_utf8(&body).ok());
         self.done = true;
         Action::Pause
@@ -1027,7 +1033,7 @@ impl HttpContext for Ingest {
             return self.answer(Outcome::Unauthorized);
         }
         if ask == Ask::Load {
-            return self.answer_load();
+            return self.answer_load(ingest::wants_placed(&path));
         }
         let declared = header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
         if declared.is_some_and(|n| n > self.limit()) {

@@ -16,7 +16,10 @@ may only confirm that choice. These tests check the behaviour, not timings:
 - with one collector for both gateways (instead of one each), each gateway
   gets the other's pending prefill per replica in its snapshot, and new
   conversations avoid the replicas where the other gateway's long prompts
-  wait.
+  wait;
+- with key memory (`fleet.coldHomeShare`), a key that one gateway placed off
+  its busy home reaches the other gateway through the collector, which then
+  sends the key there too.
 """
 
 from __future__ import annotations
@@ -175,10 +178,11 @@ def test_a_killed_gateway_loses_only_its_own_streams(two_gateways):
     assert metric(b, "kvroute_decisions_degraded_total") == degraded_before
 
 
-def gateway_load(gw: harness.Stack, token: str | None = TOKEN, method: str = "GET") -> tuple[int, dict | str]:
+def gateway_load(gw: harness.Stack, token: str | None = TOKEN, method: str = "GET",
+                 path: str = LOAD_PATH) -> tuple[int, dict | str]:
     """The gateway's in-flight load from its ingest listener."""
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    req = urllib.request.Request(gw.ingest_url + LOAD_PATH, headers=headers, method=method,
+    req = urllib.request.Request(gw.ingest_url + path, headers=headers, method=method,
                                  data=b"{}" if method == "POST" else None)
     try:
         with urllib.request.urlopen(req, timeout=5) as resp:
@@ -304,3 +308,62 @@ def test_the_gateways_share_their_pending_prefill(stack_factory, wasm_path, coll
         assert "kvroute_collector_peer_gateways 1" in text, text
     for f in held:
         assert f.result().status == 200
+
+
+def test_a_key_placed_off_home_follows_to_the_other_gateway(stack_factory, wasm_path, collector_binary):
+    """Key memory (`fleet.coldHomeShare`) across two gateways and one
+    collector: a cold request that gateway a sends off its key's busy home
+    is reported in a's load (`GET /v1/fleet/load?placed=1`), the collector
+    hands it to b in its snapshots, and b sends the key's next request,
+    which it has never seen, to the same replica rather than to the home.
+    At share 0 a cold prompt credits its home with nothing, so the home's
+    pending prefill alone moves it."""
+    overrides = {"fleet": {"coldHomeShare": 0}}
+    a = stack_factory(replicas=4, concurrency=2, ingest_token=TOKEN, plugin_overrides=overrides)
+    b = stack_factory(fleet_of=a, concurrency=2, ingest_token=TOKEN, plugin_overrides=overrides)
+    for host in a.live_hosts:
+        a.replica_control(host, ready=True, running=2, models=["test-model"], kv=0.3, waiting=0)
+    a.start_collector(binary=collector_binary, gateways=[a.ingest_url, b.ingest_url],
+                      interval_ms=COLLECTOR_INTERVAL_MS, metrics_port=harness.free_ports(1)[0],
+                      collector_id="shared")
+    for gw in (a, b):
+        wait_until(lambda gw=gw: metric(gw, "kvroute_fleet_hosts") == 4, 10.0, "four replicas in the snapshot")
+
+    # The key's first request, about 30k tokens, held 4 s before its
+    # first byte: pending prefill on the key's home, as a sees it.
+    pool = ThreadPoolExecutor(max_workers=1)
+    held = pool.submit(send, a.gateway_url, CHAT,
+                       json_body=chat_body(user_text="opening " + filler("opening", 120_000)),
+                       session="k", headers={BODY_DELAY_HEADER: "4000"}, timeout=20)
+    pool.shutdown(wait=False)
+    home: set[str] = set()
+
+    def a_has_pending() -> bool:
+        status, body = gateway_load(a)
+        if status != 200:
+            return False
+        home.clear()
+        home.update(h["address"] for h in body["hosts"] if h["prefillPendingTokens"] >= 5000)
+        return len(home) == 1
+
+    wait_until(a_has_pending, 5.0, "the held prompt in a's load table")
+    # A cold request of the same key (nothing of its prompt was sent
+    # anywhere) leaves the busy home.
+    moved = send(a.gateway_url, CHAT, json_body=chat_body(user_text="another question " + filler("second", 8000)),
+                 session="k")
+    assert moved.status == 200, moved.describe()
+    assert moved.served_by not in home, (moved.served_by, home)
+    status, report = gateway_load(a)
+    assert status == 200 and "placed" not in report, report
+    status, report = gateway_load(a, path=LOAD_PATH + "?placed=1")
+    assert status == 200, report
+    assert [p["address"] for p in report["placed"]] == [moved.served_by], report
+    assert held.result().status == 200
+    # The home is idle again; b has never seen the key. Its next request
+    # goes where a put it, once a collector round has carried it over.
+    time.sleep(3 * COLLECTOR_INTERVAL_MS / 1000)
+    follow = send(b.gateway_url, CHAT, json_body=chat_body(user_text="a third question " + filler("third", 8000)),
+                  session="k")
+    assert follow.status == 200, follow.describe()
+    print(f"\n[gateways] home {sorted(home)}; a moved the key to {moved.served_by}; b sent it to {follow.served_by}")
+    assert follow.served_by == moved.served_by

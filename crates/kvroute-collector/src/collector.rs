@@ -161,6 +161,7 @@ pub fn build_snapshot<'a>(
     hosts.sort_by(|a, b| a.address.cmp(&b.address));
     hosts.truncate(MAX_HOSTS);
     Snapshot {
+        placed: Vec::new(),
         version: SNAPSHOT_VERSION,
         seq,
         collector: collector.to_owned(),

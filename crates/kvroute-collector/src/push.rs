@@ -31,6 +31,13 @@
 //! Gateways found through `--gateway-service` join the board when their
 //! address appears and leave it when it goes.
 //!
+//! The same read asks for the gateway's recent placements off home
+//! (`?placed=1`, [`kvroute_core::placed`]): each gateway whose own report
+//! carries the field gets the *other* gateways' placements from reads
+//! younger than [`LOAD_MAX_AGE_MS`], aged to the push, one per key, in its
+//! snapshot's `placed`; a gateway whose report has no such field (an
+//! older filter, which would refuse it) gets none.
+//!
 //! **Peers** (`--peer-gateways`, `--peer-gateway-service`): gateways that
 //! another collector pushes to, as in the sidecar layout where each gateway
 //! pod has its own collector. A peer gets a thread like a pushed gateway,
@@ -47,7 +54,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use kvroute_core::fleet::Snapshot;
+use kvroute_core::ingest;
 use kvroute_core::load::LoadReport;
+use kvroute_core::placed::{self, Placement};
 use log::{info, warn};
 
 use crate::config::{Gateway, Secret};
@@ -165,6 +174,28 @@ impl LoadBoard {
             }
         }
         sum
+    }
+}
+
+impl LoadBoard {
+    /// The other gateways' recent placements off home ([`placed`]), their
+    /// ages counted to `now_ms`, for a gateway whose own last report had
+    /// the field (it reads them); `None` for one that does not.
+    pub fn placed_for(&self, me: &str, now_ms: u64) -> Option<Vec<Placement>> {
+        let slots = self.lock();
+        let mine = slots.get(me)?.load.as_ref()?;
+        mine.1.placed.as_ref()?;
+        let others = slots.iter().filter(|(g, _)| g.as_str() != me);
+        let young = others
+            .filter_map(|(_, s)| s.load.as_ref())
+            .filter(|(read_ms, _)| now_ms.saturating_sub(*read_ms) <= LOAD_MAX_AGE_MS);
+        Some(placed::merge(young.flat_map(|(read_ms, r)| {
+            let since = now_ms.saturating_sub(*read_ms);
+            r.placed.iter().flatten().map(move |p| Placement {
+                age_ms: p.age_ms.saturating_add(since),
+                ..p.clone()
+            })
+        })))
     }
 }
 
@@ -348,7 +379,8 @@ fn run(
         };
         let body = match peers {
             Some(p) => {
-                let (read, label) = read_load(&agent, &gateway.load_url, &auth);
+                let url = format!("{}?{}", gateway.load_url, ingest::LOAD_PLACED_QUERY);
+                let (read, label) = read_load(&agent, &url, &auth);
                 if slot.lock().stop {
                     return; // the gateway went away meanwhile
                 }
@@ -375,9 +407,18 @@ fn run(
                     continue;
                 }
                 p.board.wait_round(payload.snapshot.taken_at_ms, READ_WAIT);
-                match p.board.others(&gateway.base, now_ms()) {
-                    Some(others) => Arc::new(with_peers(&payload.snapshot, &others).to_json()),
-                    None => Arc::clone(&payload.body),
+                let now = now_ms();
+                let placed = p.board.placed_for(&gateway.base, now);
+                match (p.board.others(&gateway.base, now), placed) {
+                    (None, None) => Arc::clone(&payload.body),
+                    (others, placed) => {
+                        let mut snap = match others {
+                            Some(others) => with_peers(&payload.snapshot, &others),
+                            None => (*payload.snapshot).clone(),
+                        };
+                        snap.placed = placed.unwrap_or_default();
+                        Arc::new(snap.to_json())
+                    }
                 }
             }
             None => Arc::clone(&payload.body),
@@ -532,7 +573,47 @@ mod tests {
                     memory_tokens: p,
                 })
                 .collect(),
+            placed: None,
         }
+    }
+
+    fn placing(key: u64, address: &str, age_ms: u64) -> LoadReport {
+        LoadReport {
+            placed: Some(vec![Placement {
+                key: format!("{key:016x}"),
+                address: address.to_owned(),
+                age_ms,
+            }]),
+            ..report(&[])
+        }
+    }
+
+    /// A gateway gets the other gateways' placements, aged to the push,
+    /// only when its own report carries the field (it reads them).
+    #[test]
+    fn the_board_hands_each_gateway_the_others_placements() {
+        let b = LoadBoard::new();
+        for g in ["g0", "g1", "g2"] {
+            b.join(g);
+        }
+        b.set("g0", 10_000, Some(placing(1, "a:1", 100)));
+        b.set("g1", 10_000, Some(report(&[])));
+        b.set("g2", 10_100, Some(placing(2, "b:1", 0)));
+        // g1's own report has no `placed`: an older gateway, none for it.
+        assert_eq!(b.placed_for("g1", 10_200), None);
+        let p = b.placed_for("g0", 10_200).unwrap();
+        assert_eq!(p.len(), 1, "not its own");
+        assert_eq!((p[0].key.as_str(), p[0].age_ms), ("0000000000000002", 100));
+        let p = b.placed_for("g2", 10_200).unwrap();
+        assert_eq!((p[0].address.as_str(), p[0].age_ms), ("a:1", 300));
+        // Reads older than LOAD_MAX_AGE_MS no longer count.
+        assert_eq!(
+            b.placed_for("g2", 10_000 + LOAD_MAX_AGE_MS + 1),
+            Some(vec![])
+        );
+        // Nothing read for a gateway yet: none.
+        b.join("g3");
+        assert_eq!(b.placed_for("g3", 10_200), None);
     }
 
     #[test]

@@ -317,7 +317,8 @@ fn dns_names_follow_their_records() {
 /// that does not serve it).
 fn gateway_with_load(load: Arc<Mutex<String>>) -> FakeServer {
     FakeServer::start(Arc::new(move |r: &Request| {
-        match (r.method.as_str(), r.path.as_str()) {
+        let path = r.path.split('?').next().unwrap_or_default();
+        match (r.method.as_str(), path) {
             ("POST", "/v1/fleet/snapshot") => Response::new(204, ""),
             ("GET", "/v1/fleet/load") => {
                 let body = load.lock().unwrap().clone();
@@ -427,6 +428,61 @@ fn several_gateways_get_each_others_pending_prefill() {
             .any(|s| s.hosts.iter().all(|h| h.peer_pending_tokens.is_none()))),
         "B still hears A's load after A's reads failed"
     );
+    running.stop();
+}
+
+/// Key memory across gateways: the collector asks each gateway's load for
+/// its placements (`?placed=1`) and gives each gateway whose report has
+/// the field the *other* gateways' placements; a gateway whose report has
+/// none (an older filter) gets snapshots without the field.
+#[test]
+fn placements_reach_the_other_gateways() {
+    let ok = Arc::new(AtomicU16::new(200));
+    let e1 = engine(VLLM_METRICS, ok.clone());
+    let placed = |key: &str| {
+        format!(
+            r#"{{"hosts":[],"placed":[{{"key":"{key}","address":"{}","ageMs":40}}]}}"#,
+            e1.addr
+        )
+    };
+    let load_a = Arc::new(Mutex::new(placed("00000000000000aa")));
+    let load_b = Arc::new(Mutex::new(placed("00000000000000bb")));
+    let load_c = Arc::new(Mutex::new(r#"{"hosts":[]}"#.to_owned()));
+    let gw_a = gateway_with_load(load_a);
+    let gw_b = gateway_with_load(load_b);
+    let gw_c = gateway_with_load(load_c);
+    let mut s = settings(vec![Target::Addr(e1.addr)], &gw_a);
+    for gw in [&gw_b, &gw_c] {
+        s.gateways
+            .push(Gateway::parse(&format!("http://{}", gw.addr)).unwrap());
+    }
+    s.push_interval = Duration::from_millis(50);
+    let running = kvroute_collector::start(s).unwrap();
+    let keys = |s: &Snapshot| s.placed.iter().map(|p| p.key.clone()).collect::<Vec<_>>();
+    assert!(
+        wait_until(Duration::from_secs(5), || posted(&gw_a)
+            .iter()
+            .any(|s| keys(s) == ["00000000000000bb"])),
+        "A never got B's placement: {:?}",
+        posted(&gw_a).iter().map(keys).collect::<Vec<_>>()
+    );
+    assert!(
+        wait_until(Duration::from_secs(5), || posted(&gw_b)
+            .iter()
+            .any(|s| keys(s) == ["00000000000000aa"])),
+        "B never got A's placement"
+    );
+    let to_b = posted(&gw_b);
+    let p = to_b.iter().flat_map(|s| &s.placed).next().unwrap();
+    assert_eq!(p.address, e1.addr.to_string());
+    assert!(p.age_ms >= 40, "aged to the push: {}", p.age_ms);
+    assert!(
+        gw_a.paths().iter().any(|p| p == "/v1/fleet/load?placed=1"),
+        "{:?}",
+        gw_a.paths()
+    );
+    assert!(!posted(&gw_c).is_empty());
+    assert!(posted(&gw_c).iter().all(|s| s.placed.is_empty()));
     running.stop();
 }
 

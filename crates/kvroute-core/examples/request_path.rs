@@ -74,6 +74,7 @@ fn main() {
     )
     .expect("ingest config");
     let snapshot = Snapshot {
+        placed: Vec::new(),
         version: SNAPSHOT_VERSION,
         seq: 1,
         collector: "profile".into(),

@@ -601,6 +601,9 @@ pub struct FleetConfig {
     pub owner_key: String,
     /// Prefix of the prefix-index slot keys.
     pub index_key_prefix: String,
+    /// Shared-data key of the ring of this gateway's recent placements off
+    /// home ([`crate::placed`]).
+    pub placed_key: String,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -950,6 +953,7 @@ impl RawConfig {
             stamp_key: format!("{prefix}.fleet.stamp.v1"),
             owner_key: format!("{prefix}.fleet.owner.v1"),
             index_key_prefix: format!("{prefix}.px."),
+            placed_key: format!("{prefix}.placed.v1"),
         };
         let admission =
             compile_admission(&self.admission, &self.objectives, &self.destination_header)?;

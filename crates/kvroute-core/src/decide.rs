@@ -87,26 +87,28 @@
 //! key leaves its home when its pending prefill costs more than the cache
 //! saves there, or when bounded load on memory moves it (reason `spill`).
 //!
-//! # Key memory (a gateway that places its keys alone)
+//! # Key memory
 //!
 //! Every gateway credits a key's home with `homeCachedShare` of any prompt
 //! sent under the key, even a *cold* one (the index knows none of its
 //! blocks, it continues no conversation): that credit is what makes
-//! gateways that do not see each other's placements agree where a new key
-//! goes. A gateway that is alone does not need it, and there it keeps a
-//! cold prompt on a busy home where it is as cold as anywhere. With
-//! `coldHomeShare` set below `homeCachedShare`, a cold request's home is
-//! credited with that share instead, so it leaves a busy home by cost, and
-//! the gateway remembers where it placed the key: an entry in the prefix
-//! index under the key (salted), written by the cold request and kept
-//! current by every later request of the key. While the entry lives
-//! (`prefixTtlMs`), that replica stands for the key's rendezvous top.
-//! In the fleet simulation (16 replicas, one gateway, five seeds) 0.5 took
-//! the Mooncake trace's TTFT p95 from 1640 to 1431 ms and its hit rate
-//! from 41.5 to 43.0 %. Off by default: with four gateways, each
-//! remembering only its own placements, the trace's hit rate fell from
-//! 43.7 to 36.8 % at 0.5 and to 17.8 % at 0 (docs/fleet-state.md, "Key
-//! memory for a single gateway").
+//! gateways agree where a new key goes, and makes its later requests find
+//! it, but it keeps a cold prompt on a busy home where it is as cold as
+//! anywhere. With `coldHomeShare` set below `homeCachedShare`, a cold
+//! request's home is credited with that share instead, so it leaves a busy
+//! home by cost, and the gateway remembers where it placed the key
+//! ([`crate::placed`]: an entry in the prefix index under the key, salted,
+//! written by the cold request and kept current by every later request of
+//! the key). While the entry lives (`prefixTtlMs`), that replica stands
+//! for the key's rendezvous top, and a request of the key is not cold.
+//! The gateway also reports the placement in its load, and a collector
+//! that reads several gateways hands it to the others, which write it
+//! into their own index. In the fleet simulation (16 replicas) 0.5 took
+//! the Mooncake trace's TTFT p95 from 1640 to 1446 ms at one gateway and
+//! from 2045 to 1839 at four (hit rate 43.7 -> 42.2 %; without the sharing
+//! 36.8 %), and cost chat 2-6 % and agent 5-9 % of their p95, so it is off
+//! by default (docs/fleet-state.md, "Key memory, shared through the
+//! collector").
 //!
 //! The prefix index ([`crate::index`]) is used in both modes. It lives in
 //! shared data, records what this gateway sent where, and needs no
@@ -146,16 +148,13 @@ use crate::host::{Counter, Gauge, Metrics, SharedData};
 use crate::index::{self, Index, IndexCache};
 use crate::load::{self, Charge, Entry, LoadTable};
 use crate::picker::{self, Bounds, HostSet, Pick};
+use crate::placed;
 use crate::request::{self, CanonicalSink, Endpoint, ParseError};
 use crate::score::{self, Candidate, SpillGuard};
 use crate::usage;
 
 /// Separates session keys from prefix keys of the same model.
 const SESSION_SALT: u64 = 0x5e55_1011_4b65_7900;
-
-/// Turns an affinity key into the prefix-index block under which a gateway
-/// with key memory records where it placed the key's cold request.
-const KEY_MEMORY_SALT: u64 = 0x6b65_795f_686f_6d65;
 
 /// Why a decision was made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -798,9 +797,11 @@ fn scored(
                 .max_by_key(|r| (within(r.id), picker::rank(key, r.id)))
                 .map(|r| r.id)
         });
-    // A cold request: the index knows none of its blocks anywhere and it
-    // continues no conversation.
-    let home_share = if hits.is_empty() && !facts.continues {
+    // A cold request: the index knows none of its blocks anywhere, it
+    // continues no conversation, and no gateway has said where its key
+    // went (a remembered key's earlier request is on the replica that
+    // stands for its home).
+    let home_share = if hits.is_empty() && !facts.continues && moved.is_none() {
         f.cold_home_share
     } else {
         f.home_cached_share
@@ -1054,7 +1055,7 @@ pub fn route(
             );
             // Key memory (`coldHomeShare`): where this gateway placed the
             // key since its last cold request.
-            let key_block = [affinity.key() ^ KEY_MEMORY_SALT];
+            let key_block = [placed::key_block(affinity.key())];
             let (moved, key_seen) = if cfg.fleet.key_memory {
                 let (found, seen) = index.lookup_seen(store, cache, &key_block, None, 1, now_ms);
                 (found.first().map(|h| h.0), Some(seen))
@@ -1092,7 +1093,20 @@ pub fn route(
                 // A cold request starts the memory, and every later request
                 // of a remembered key keeps it current.
                 if let Some(seen) = key_seen.filter(|_| cold || moved.is_some()) {
-                    index.record_after(store, cache, &key_block, h.id, now_ms, &seen);
+                    let wrote = index.record_after(store, cache, &key_block, h.id, now_ms, &seen);
+                    // The other gateways learn where the key went when it
+                    // is not where they would send it (off its rendezvous
+                    // top, or off where they were told before), and again
+                    // whenever this gateway renews the memory (every half
+                    // `prefixTtlMs` while the key is in use), so that their
+                    // copies live as long as this one.
+                    let top = hosts
+                        .iter()
+                        .max_by_key(|t| picker::rank(affinity.key(), t.id))
+                        .map(|t| t.id);
+                    if wrote > 0 && (moved.is_some() || top != Some(h.id)) {
+                        placed::note(store, &cfg.fleet.placed_key, affinity.key(), h.id, now_ms);
+                    }
                 }
             }
             d
@@ -1814,6 +1828,7 @@ mod tests {
 
     fn view(hosts: &[(&str, bool, f64, u32, &[&str])], age_ms: u64) -> FleetView {
         let snap = crate::fleet::Snapshot {
+            placed: Vec::new(),
             version: 1,
             seq: 1,
             collector: "t".into(),
@@ -1969,6 +1984,7 @@ mod tests {
     /// A view whose hosts each have their own readiness and metrics age.
     fn view_aged(hosts: &[(&str, bool, u64)]) -> FleetView {
         let snap = crate::fleet::Snapshot {
+            placed: Vec::new(),
             version: 1,
             seq: 1,
             collector: "t".into(),
@@ -2379,6 +2395,7 @@ mod equivalence {
     /// and ingested at 0.
     fn snapshot_of(cfg: &Config, scraped_at_ms: u64) -> FleetView {
         let snap = crate::fleet::Snapshot {
+            placed: Vec::new(),
             version: 1,
             seq: 1,
             collector: "c".into(),
@@ -2457,6 +2474,87 @@ mod equivalence {
             let d = route_at(&next, 1000);
             let expected = if remembers { placed } else { home };
             assert_eq!(d.pick.as_ref().unwrap().primary, expected, "{d:?}");
+        }
+    }
+
+    /// Key memory across gateways: gateway A places a key's cold request
+    /// off its busy home and reports it; a snapshot that carries A's
+    /// placements makes gateway B, which never saw the key, send its next
+    /// request there. Without the placements B sends it home.
+    #[test]
+    fn a_placement_off_home_reaches_the_other_gateways() {
+        let hosts: Vec<String> = (0..8)
+            .map(|i| format!("\"10.0.0.{}:8000\"", i + 1))
+            .collect();
+        let json = format!(
+            r#"{{"hosts":[{}],"fleet":{{"coldHomeShare":0.5}}}}"#,
+            hosts.join(",")
+        );
+        let c = Config::from_json(json.as_bytes()).unwrap();
+        let m = MemoryMetrics::default();
+        let a = MemorySharedData::default();
+        let first = request(9, 1000, 16);
+        let home = picker::preference_order(&c.hosts, first.affinity.key())[0];
+        let busy = Charge {
+            host: c.hosts.get(home).unwrap().id,
+            prefill: 3000,
+            memory: 0,
+        };
+        load::update(&a, &c.load_key, |t| t.add(busy)).unwrap();
+        let d = route(
+            &c,
+            &a,
+            &m,
+            &mut IndexCache::default(),
+            Ok(&first),
+            None,
+            1000,
+            0,
+        );
+        let placed_at = d.pick.unwrap().primary;
+        assert_ne!(placed_at, home);
+        let report = placed::recent(&a, &c.fleet.placed_key, &[&c.hosts], 1200);
+        assert_eq!(report.len(), 1);
+        assert_eq!(report[0].age_ms, 200);
+        let mut next = request(9, 1000, 16);
+        for b in next.blocks.iter_mut().skip(8) {
+            *b ^= 0xdead_beef;
+        }
+        for (told, expected) in [(false, home), (true, placed_at)] {
+            let b = MemorySharedData::default();
+            let snap = crate::fleet::Snapshot {
+                version: 1,
+                seq: 1,
+                collector: "c".into(),
+                taken_at_ms: 0,
+                hosts: c
+                    .hosts
+                    .iter()
+                    .map(|h| idle_host(&h.addr, true, 0))
+                    .collect(),
+                placed: if told { report.clone() } else { Vec::new() },
+            };
+            let stored = crate::ingest::store(&c, &b, &snap.to_json(), 1500);
+            assert!(
+                matches!(stored, crate::ingest::Outcome::Accepted { .. }),
+                "{stored:?}"
+            );
+            let mut fleet = crate::ingest::FleetCache::default();
+            let (view, _) = fleet.refresh(&c, &b);
+            let view = view.unwrap();
+            assert!(view.hosts.len() == 8);
+            let d = route(
+                &c,
+                &b,
+                &m,
+                &mut IndexCache::default(),
+                Ok(&next),
+                Some(&view),
+                2000,
+                0,
+            );
+            let target = &c.hosts.get(expected).unwrap().addr;
+            assert_eq!(&d.targets[0], target, "told {told}: {d:?}");
         }
     }
 

@@ -15,6 +15,11 @@
 //!             "scrapedAtMs": 1764399999900, "engine": "vllm"}]}
 //! ```
 //!
+//! A snapshot may carry `placed`: the other gateways' recent placements
+//! off home, `[{"key": "00c0ffee00c0ffee", "address": "10.0.0.11:8000",
+//! "ageMs": 120}]`, which a gateway with key memory writes into its prefix
+//! index ([`crate::placed`]). Absent, there are none.
+//!
 //! A host may also carry `peerPendingTokens`: the prefill the other
 //! gateways had sent it without a first byte yet, as a collector that reads
 //! their load tables saw it (the filter drains it at `prefillTokensPerS`
@@ -34,6 +39,7 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::picker::HostSet;
+use crate::placed::{self, Placement};
 
 /// The snapshot schema version this build reads and writes.
 pub const SNAPSHOT_VERSION: u32 = 1;
@@ -54,6 +60,10 @@ pub struct Snapshot {
     /// When the snapshot was assembled, collector clock, Unix ms.
     pub taken_at_ms: u64,
     pub hosts: Vec<HostState>,
+    /// The other gateways' recent placements off home, for key memory
+    /// ([`crate::placed`]); at most [`placed::MAX_SNAPSHOT`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub placed: Vec<Placement>,
 }
 
 /// One replica as last scraped.
@@ -180,6 +190,27 @@ impl Snapshot {
                 "hosts",
                 format!("{} hosts, at most {MAX_HOSTS}", self.hosts.len()),
             ));
+        }
+        if self.placed.len() > placed::MAX_SNAPSHOT {
+            return Err(bad(
+                "placed",
+                format!(
+                    "{} placements, at most {}",
+                    self.placed.len(),
+                    placed::MAX_SNAPSHOT
+                ),
+            ));
+        }
+        for (i, p) in self.placed.iter().enumerate() {
+            if p.key_value().is_none() {
+                return Err(bad(format!("placed[{i}].key"), "must be 16 hex digits"));
+            }
+            if p.address.parse::<SocketAddr>().is_err() {
+                return Err(bad(
+                    format!("placed[{i}].address"),
+                    format!("{:?} is not ip:port", p.address),
+                ));
+            }
         }
         let mut seen = HashSet::new();
         for (i, h) in self.hosts.iter().enumerate() {
@@ -335,6 +366,7 @@ mod tests {
 
     fn snap(hosts: Vec<HostState>) -> Snapshot {
         Snapshot {
+            placed: Vec::new(),
             version: 1,
             seq: 7,
             collector: "c".into(),
@@ -346,7 +378,19 @@ mod tests {
     #[test]
     fn round_trip() {
         let s = snap(vec![host("10.0.0.1:80"), host("[::1]:8000")]);
-        assert_eq!(Snapshot::from_json(&s.to_json()), Ok(s));
+        assert_eq!(Snapshot::from_json(&s.to_json()), Ok(s.clone()));
+        // Without placements the field is left out, as an older filter
+        // expects; with them it round-trips.
+        assert!(!String::from_utf8(s.to_json()).unwrap().contains("placed"));
+        let with = Snapshot {
+            placed: vec![Placement {
+                key: "00c0ffee00c0ffee".into(),
+                address: "[::1]:8000".into(),
+                age_ms: 120,
+            }],
+            ..s
+        };
+        assert_eq!(Snapshot::from_json(&with.to_json()), Ok(with));
     }
 
     #[test]
@@ -372,6 +416,41 @@ mod tests {
                     ..snap(vec![])
                 },
                 "collector",
+            ),
+            (
+                Snapshot {
+                    placed: vec![Placement {
+                        key: "not hex".into(),
+                        address: "10.0.0.1:80".into(),
+                        age_ms: 0,
+                    }],
+                    ..snap(vec![])
+                },
+                "placed[0].key",
+            ),
+            (
+                Snapshot {
+                    placed: vec![Placement {
+                        key: "00000000000000ff".into(),
+                        address: "somewhere".into(),
+                        age_ms: 0,
+                    }],
+                    ..snap(vec![])
+                },
+                "placed[0].address",
+            ),
+            (
+                Snapshot {
+                    placed: (0..=placed::MAX_SNAPSHOT)
+                        .map(|k| Placement {
+                            key: format!("{k:016x}"),
+                            address: "10.0.0.1:80".into(),
+                            age_ms: 0,
+                        })
+                        .collect(),
+                    ..snap(vec![])
+                },
+                "placed",
             ),
             (
                 snap(vec![HostState {

@@ -422,10 +422,40 @@ impl Index<'_> {
         (found, seen)
     }
 
+    /// Records that `host` was sent the one-block prefix `block` at
+    /// `at_ms` (a placement another gateway made, [`crate::placed`]),
+    /// unless the block's most recent live owner was recorded at `at_ms` or
+    /// later, or is `host` recorded less than half the TTL before (the
+    /// same placement delivered again). Returns whether it wrote.
+    pub fn record_if_newer(
+        &self,
+        store: &dyn SharedData,
+        cache: &mut IndexCache,
+        block: u64,
+        host: u64,
+        at_ms: u64,
+    ) -> bool {
+        let current = self.read(store, cache, block, at_ms);
+        let first = current.and_then(|e| e.owners().first().copied());
+        let same = |o: &Owner| o.host == host && at_ms.saturating_sub(o.at_ms) <= self.ttl_ms / 2;
+        if first.is_some_and(|o| o.at_ms >= at_ms || same(&o)) {
+            return false;
+        }
+        let owner = Owner {
+            host,
+            depth: 1,
+            at_ms,
+        };
+        let e = current.map_or(Entry::single(block, owner), |e| e.with(owner));
+        let _ = store.set(&self.key(block), &e.encode(), None);
+        cache.put(self.slot(block), Some(e), at_ms);
+        true
+    }
+
     /// Records that `blocks` were sent to `host`.
     pub fn record(&self, store: &dyn SharedData, blocks: &[u64], host: u64, now_ms: u64) {
         let mut cache = IndexCache::default();
-        self.record_after(store, &mut cache, blocks, host, now_ms, &Seen(Vec::new()));
+        let _ = self.record_after(store, &mut cache, blocks, host, now_ms, &Seen(Vec::new()));
     }
 
     /// [`Index::record`], skipping the writes that would change nothing
@@ -435,6 +465,7 @@ impl Index<'_> {
     /// last block is always written, so the full depth stays findable.)
     /// Each write is a host call, and a repeated prompt or a conversation's
     /// shared opening would otherwise rewrite the same entries every time.
+    /// Returns how many entries it wrote.
     pub fn record_after(
         &self,
         store: &dyn SharedData,
@@ -443,7 +474,8 @@ impl Index<'_> {
         host: u64,
         now_ms: u64,
         seen: &Seen,
-    ) {
+    ) -> usize {
+        let mut written = 0;
         let depth = u32::try_from(blocks.len()).unwrap_or(u32::MAX);
         let last = blocks.len().saturating_sub(1);
         for p in positions(blocks.len()) {
@@ -473,7 +505,9 @@ impl Index<'_> {
             // A write between the lookup and this one is lost: only a hint.
             let _ = store.set(&self.key(block), &e.encode(), None);
             cache.put(self.slot(block), Some(e), now_ms);
+            written += 1;
         }
+        written
     }
 
     /// Forgets that `host` holds `blocks` beyond their first `keep`: the

@@ -34,12 +34,24 @@ use std::rc::Rc;
 use crate::config::{Config, IngestConfig};
 use crate::fleet::{FleetView, Snapshot, Stamp};
 use crate::host::{Counter, SetError, SharedData};
+use crate::index::Index;
+use crate::placed;
 
 /// Path the collector pushes to.
 pub const INGEST_PATH: &str = "/v1/fleet/snapshot";
 /// Path a collector reads the gateway's in-flight load from
 /// ([`crate::load::LoadReport`]), with the same bearer token.
 pub const LOAD_PATH: &str = "/v1/fleet/load";
+/// The query by which a collector asks the load report for the gateway's
+/// recent placements off home too ([`crate::placed`]); without it the
+/// report is what an older collector reads.
+pub const LOAD_PLACED_QUERY: &str = "placed=1";
+
+/// Whether a load read asks for the placements.
+pub fn wants_placed(path: &str) -> bool {
+    path.split_once('?')
+        .is_some_and(|(_, q)| q.split('&').any(|kv| kv == LOAD_PLACED_QUERY))
+}
 
 /// What a request on the ingest listener asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -431,7 +443,19 @@ impl FleetCache {
                     // Even if this value fails to decode, do not retry it on
                     // every request: wait for the next push.
                     self.seen = self.seen.max(h.seq);
-                    if let Ok(s) = Snapshot::from_json(v.get(16..).unwrap_or_default()) {
+                    if let Ok(mut s) = Snapshot::from_json(v.get(16..).unwrap_or_default()) {
+                        // The other gateways' placements, into the prefix
+                        // index (another worker may have done it: then
+                        // nothing is written).
+                        if cfg.fleet.key_memory && !s.placed.is_empty() {
+                            let index = Index {
+                                slots: cfg.fleet.prefix_index_slots,
+                                ttl_ms: cfg.fleet.prefix_ttl_ms,
+                                key_prefix: &cfg.fleet.index_key_prefix,
+                            };
+                            placed::apply(store, &index, &s.placed, h.ingested_at_ms);
+                        }
+                        s.placed = Vec::new();
                         self.view = Some(Rc::new(FleetView::new(s, h.ingested_at_ms)));
                         outcome = Refresh::Decoded;
                     }
@@ -461,6 +485,7 @@ mod tests {
 
     fn snap_by(collector: &str, seq: u64, hosts: usize) -> Vec<u8> {
         Snapshot {
+            placed: Vec::new(),
             version: SNAPSHOT_VERSION,
             seq,
             collector: collector.into(),
@@ -501,6 +526,10 @@ mod tests {
         assert_eq!(route("GET", LOAD_PATH), Ok(Ask::Load));
         assert_eq!(route("get", &format!("{LOAD_PATH}?x=1")), Ok(Ask::Load));
         assert_eq!(route("POST", LOAD_PATH), Err(Outcome::MethodNotAllowed));
+        assert!(wants_placed(&format!("{LOAD_PATH}?{LOAD_PLACED_QUERY}")));
+        assert!(wants_placed(&format!("{LOAD_PATH}?x=1&placed=1")));
+        assert!(!wants_placed(LOAD_PATH));
+        assert!(!wants_placed(&format!("{LOAD_PATH}?placed=10")));
         assert_eq!(
             route("POST", "/v1/chat/completions"),
             Err(Outcome::NotFound)

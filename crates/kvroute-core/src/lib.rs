@@ -7,6 +7,8 @@
 //! - [`picker`]: rendezvous preference order and bounded load;
 //! - [`load`]: the gateway's in-flight token accounting in shared data;
 //! - [`index`]: the gateway's prefix index in shared data;
+//! - [`placed`]: key memory, where a gateway placed keys off their home,
+//!   shared with the other gateways through the collector;
 //! - [`decide`]: affinity key and cost, and the decision for one request;
 //! - [`usage`]: what answers say (output length, cached tokens);
 //! - [`answers`]: the cached tokens an answer reports against the index's
@@ -32,6 +34,7 @@ pub mod index;
 pub mod ingest;
 pub mod load;
 pub mod picker;
+pub mod placed;
 pub mod request;
 pub mod score;
 pub mod usage;

@@ -32,13 +32,15 @@
 //! A collector that pushes to several gateways reads each one's table on
 //! the ingest listener (`GET /v1/fleet/load`, [`LoadReport`], by address)
 //! and gives each gateway the others' pending prefill in its snapshot
-//! (`peerPendingTokens`).
+//! (`peerPendingTokens`), and their recent placements off home
+//! (`placed`, [`crate::placed`]).
 
 use serde::{Deserialize, Serialize};
 
 use crate::fleet::MAX_HOSTS;
 use crate::host::{SetError, SharedData};
 use crate::picker::HostSet;
+use crate::placed::{self, Placement};
 
 const MAGIC: &[u8; 4] = b"KVL2";
 const ENTRY: usize = 24;
@@ -221,11 +223,19 @@ impl LoadTable {
 
 /// A gateway's load table by address, as the ingest listener serves it:
 /// `{"hosts": [{"address": "10.0.0.11:8000", "prefillPendingTokens": 2048,
-/// "memoryTokens": 9000}]}`. Idle replicas are left out.
+/// "memoryTokens": 9000}]}`. Idle replicas are left out. Asked with
+/// `?placed=1` ([`crate::ingest::LOAD_PLACED_QUERY`]) it also carries
+/// `"placed": [{"key": "00c0ffee00c0ffee", "address": "10.0.0.11:8000",
+/// "ageMs": 120}]`, the gateway's recent placements off home.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LoadReport {
     pub hosts: Vec<HostLoad>,
+    /// This gateway's recent placements off home ([`crate::placed`]).
+    /// Present (maybe empty) from a gateway that reads them in a snapshot;
+    /// absent from an older one, which gets none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placed: Option<Vec<Placement>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -256,7 +266,10 @@ impl LoadReport {
             })
             .take(MAX_HOSTS)
             .collect();
-        LoadReport { hosts }
+        LoadReport {
+            hosts,
+            placed: None,
+        }
     }
 
     pub fn to_json(&self) -> Vec<u8> {
@@ -269,6 +282,14 @@ impl LoadReport {
         let r: LoadReport = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
         if r.hosts.len() > MAX_HOSTS {
             return Err(format!("{} hosts, at most {MAX_HOSTS}", r.hosts.len()));
+        }
+        if let Some(n) = r
+            .placed
+            .as_ref()
+            .map(Vec::len)
+            .filter(|&n| n > placed::RING)
+        {
+            return Err(format!("{n} placements, at most {}", placed::RING));
         }
         Ok(r)
     }

@@ -38,6 +38,7 @@ use kvroute_core::index::IndexCache;
 use kvroute_core::ingest::{self, FleetCache};
 use kvroute_core::load::{self, Charge, LoadReport};
 use kvroute_core::picker::HostSet;
+use kvroute_core::placed;
 use kvroute_core::usage::{self, Learned, PriorCache};
 use kvroute_core::{Config, Endpoint};
 use kvroute_sim::engine::sched::{Reading, Scheduler, Summary};
@@ -375,6 +376,8 @@ pub struct Kvroute {
     /// The collector reads the gateways' load tables ([`PEER_PENDING`]);
     /// their entries are keyed by the ids of this set.
     peer_pending: Option<HostSet>,
+    /// The fleet's addresses, for the gateways' placement reports.
+    fleet: HostSet,
 }
 
 impl Kvroute {
@@ -395,6 +398,7 @@ impl Kvroute {
         let cfg = Config::from_json(&bytes).map_err(|e| format!("kvroute config: {e}"))?;
         let shared_load = Rc::new(MemorySharedData::default());
         let peer_set = peer_pending.then(|| HostSet::new(addresses.iter().cloned()));
+        let fleet = HostSet::new(addresses.iter().cloned());
         Ok(Self {
             gateways: (0..gateways)
                 .map(|_| KvGateway {
@@ -423,6 +427,7 @@ impl Kvroute {
             headers_at_submit: s.headers_at_submit,
             admission: BTreeMap::new(),
             peer_pending: peer_set,
+            fleet,
             cfg,
         })
     }
@@ -511,7 +516,21 @@ impl Router for Kvroute {
             }
             sum
         });
+        // The other gateways' recent placements off home, as a collector
+        // that pushes to several gateways reads them in their load reports
+        // at each push.
+        let now_ms = self.now_ms(now_s);
+        let placed = placed::merge(
+            self.gateways
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != gw)
+                .flat_map(|(_, g)| {
+                    placed::recent(&g.store, &self.cfg.fleet.placed_key, &[&self.fleet], now_ms)
+                }),
+        );
         let snap = Snapshot {
+            placed,
             version: SNAPSHOT_VERSION,
             seq: self.seq,
             collector: "sim".to_owned(),
@@ -536,7 +555,6 @@ impl Router for Kvroute {
                 })
                 .collect(),
         };
-        let now_ms = self.now_ms(now_s);
         if let Some(g) = self.gateways.get(gw) {
             let _ = ingest::store(&self.cfg, &g.store, &snap.to_json(), now_ms);
         }
