@@ -103,12 +103,13 @@
 //! for the key's rendezvous top, and a request of the key is not cold.
 //! The gateway also reports the placement in its load, and a collector
 //! that reads several gateways hands it to the others, which write it
-//! into their own index. In the fleet simulation (16 replicas) 0.5 took
-//! the Mooncake trace's TTFT p95 from 1640 to 1446 ms at one gateway and
-//! from 2045 to 1839 at four (hit rate 43.7 -> 42.2 %; without the sharing
-//! 36.8 %), and cost chat 2-6 % and agent 5-9 % of their p95, so it is off
-//! by default (docs/fleet-state.md, "Key memory, shared through the
-//! collector").
+//! into their own index. In the fleet simulation (16 replicas, five
+//! seeds) the default, 0.75, took the Mooncake trace's TTFT p95 from 1640
+//! to 1556 ms at one gateway and from 1983 to 1911 at four (better on
+//! every seed), its hit rate from 41.5 to 42.7 % and 43.9 to 43.7 %, and
+//! left the other families' medians within 5 ms; 0.5 moved the trace further but
+//! cost chat and agent 2-9 % of their p95 (docs/fleet-state.md, "Key
+//! memory, shared through the collector").
 //!
 //! The prefix index ([`crate::index`]) is used in both modes. It lives in
 //! shared data, records what this gateway sent where, and needs no
@@ -1090,21 +1091,23 @@ pub fn route(
             };
             if let Some(h) = d.pick.as_ref().and_then(|p| hosts.get(p.primary)) {
                 index.record_after(store, cache, &facts.blocks, h.id, now_ms, &seen);
-                // A cold request starts the memory, and every later request
-                // of a remembered key keeps it current.
-                if let Some(seen) = key_seen.filter(|_| cold || moved.is_some()) {
+                // A cold request of a key nobody placed starts the memory;
+                // a request of a remembered key sent there keeps it current
+                // (a spill elsewhere does not move it: the index follows
+                // the prompt).
+                let remember = (cold && moved.is_none()) || moved == Some(h.id);
+                if let Some(seen) = key_seen.filter(|_| remember) {
                     let wrote = index.record_after(store, cache, &key_block, h.id, now_ms, &seen);
                     // The other gateways learn where the key went when it
                     // is not where they would send it (off its rendezvous
-                    // top, or off where they were told before), and again
-                    // whenever this gateway renews the memory (every half
-                    // `prefixTtlMs` while the key is in use), so that their
-                    // copies live as long as this one.
+                    // top), and again whenever this gateway renews that
+                    // memory (every half `prefixTtlMs` while the key is in
+                    // use), so that their copies live as long as this one.
                     let top = hosts
                         .iter()
                         .max_by_key(|t| picker::rank(affinity.key(), t.id))
                         .map(|t| t.id);
-                    if wrote > 0 && (moved.is_some() || top != Some(h.id)) {
+                    if wrote > 0 && top != Some(h.id) {
                         placed::note(store, &cfg.fleet.placed_key, affinity.key(), h.id, now_ms);
                     }
                 }
@@ -2412,14 +2415,16 @@ mod equivalence {
     /// With `coldHomeShare` below `homeCachedShare` a cold request leaves
     /// a busy home by cost, and the gateway remembers where: the key's
     /// next request, which shares half its prompt with the first, follows
-    /// it there, where by default it goes home. Without the setting the
+    /// it there, where without the memory it goes home. With
+    /// `coldHomeShare` equal to `homeCachedShare` (no key memory) the
     /// cold request stays home.
     #[test]
     fn a_cold_key_placed_off_home_is_remembered() {
         let hosts: Vec<String> = (0..8)
             .map(|i| format!("\"10.0.0.{}:8000\"", i + 1))
             .collect();
-        for (fleet, remembers) in [("{}", false), (r#"{"coldHomeShare":0.5}"#, true)] {
+        let off = r#"{"coldHomeShare":0.95}"#;
+        for (fleet, remembers) in [(off, false), (r#"{"coldHomeShare":0.5}"#, true)] {
             let json = format!(r#"{{"hosts":[{}],"fleet":{fleet}}}"#, hosts.join(","));
             let c = Config::from_json(json.as_bytes()).unwrap();
             assert_eq!(c.fleet.key_memory, remembers);
