@@ -185,11 +185,7 @@ pub fn learn(
     if short {
         metrics.count(Counter::PrefixShortfalls, 1);
         let keep = (cached as f64 / block).ceil() as usize;
-        let index = Index {
-            slots: cfg.fleet.prefix_index_slots,
-            ttl_ms: cfg.fleet.prefix_ttl_ms,
-            key_prefix: &cfg.fleet.index_key_prefix,
-        };
+        let index = Index::of(&cfg.fleet);
         dropped = index.forget(
             store,
             cache,
@@ -219,11 +215,7 @@ mod tests {
     }
 
     fn index(cfg: &Config) -> Index<'_> {
-        Index {
-            slots: cfg.fleet.prefix_index_slots,
-            ttl_ms: cfg.fleet.prefix_ttl_ms,
-            key_prefix: &cfg.fleet.index_key_prefix,
-        }
+        Index::of(&cfg.fleet)
     }
 
     /// 32 blocks (2048 gateway tokens at 64 per block) recorded on host 7

@@ -1007,11 +1007,7 @@ pub fn route(
     let hosts = fleet.map_or(&cfg.hosts, |v| &v.set);
     let decision = match facts {
         Ok(facts) => {
-            let index = Index {
-                slots: cfg.fleet.prefix_index_slots,
-                ttl_ms: cfg.fleet.prefix_ttl_ms,
-                key_prefix: &cfg.fleet.index_key_prefix,
-            };
+            let index = Index::of(&cfg.fleet);
             // A long shared prefix that carries less than a replica's share
             // of the traffic is the affinity key: its sessions co-locate.
             let (affinity, subset) = match facts.shared_prefix {
@@ -1233,11 +1229,7 @@ mod tests {
 
     /// The gateway's prefix index under `c`, as [`route`] builds it.
     fn index_of(c: &Config) -> Index<'_> {
-        Index {
-            slots: c.fleet.prefix_index_slots,
-            ttl_ms: c.fleet.prefix_ttl_ms,
-            key_prefix: &c.fleet.index_key_prefix,
-        }
+        Index::of(&c.fleet)
     }
 
     fn facts(body: &[u8], session: Option<&str>) -> Facts {
@@ -2467,11 +2459,7 @@ mod equivalence {
             }
             // Without the memory the home's assumed share (0.95) beats the
             // index's half elsewhere.
-            let index = Index {
-                slots: c.fleet.prefix_index_slots,
-                ttl_ms: c.fleet.prefix_ttl_ms,
-                key_prefix: &c.fleet.index_key_prefix,
-            };
+            let index = Index::of(&c.fleet);
             let hits = index.lookup(&store, &next.blocks, 1000);
             let table = load::read(&store, &c.load_key);
             let forgetful = pick(&c, &next, None, &table, &hits, 1000);

@@ -59,6 +59,7 @@
 //! worker's newer write to the same slot. Conversations come back seconds
 //! apart, so their next turn reads the shared index.
 
+use crate::config::FleetConfig;
 use crate::host::SharedData;
 
 /// Replicas an entry remembers for its block, the most recently sent first.
@@ -316,6 +317,17 @@ pub fn positions(n: usize) -> Vec<usize> {
     }
     out.sort_unstable_by(|a, b| b.cmp(a));
     out
+}
+
+impl<'a> Index<'a> {
+    /// The gateway's index as the config sets it.
+    pub fn of(f: &'a FleetConfig) -> Index<'a> {
+        Index {
+            slots: f.prefix_index_slots,
+            ttl_ms: f.prefix_ttl_ms,
+            key_prefix: &f.index_key_prefix,
+        }
+    }
 }
 
 impl Index<'_> {

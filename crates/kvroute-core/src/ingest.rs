@@ -448,11 +448,7 @@ impl FleetCache {
                         // index (another worker may have done it: then
                         // nothing is written).
                         if cfg.fleet.key_memory && !s.placed.is_empty() {
-                            let index = Index {
-                                slots: cfg.fleet.prefix_index_slots,
-                                ttl_ms: cfg.fleet.prefix_ttl_ms,
-                                key_prefix: &cfg.fleet.index_key_prefix,
-                            };
+                            let index = Index::of(&cfg.fleet);
                             placed::apply(store, &index, &s.placed, h.ingested_at_ms);
                         }
                         s.placed = Vec::new();
