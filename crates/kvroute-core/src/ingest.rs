@@ -447,7 +447,11 @@ impl FleetCache {
                         // The other gateways' placements, into the prefix
                         // index (another worker may have done it: then
                         // nothing is written).
-                        if cfg.fleet.key_memory && !s.placed.is_empty() {
+                        // Only a router applies them, with its own index
+                        // settings (the ingest listener also decodes
+                        // snapshots, to name hosts in its load report).
+                        let router = cfg.role == crate::config::Role::Router;
+                        if router && cfg.fleet.key_memory && !s.placed.is_empty() {
                             let index = Index::of(&cfg.fleet);
                             placed::apply(store, &index, &s.placed, h.ingested_at_ms);
                         }
