@@ -206,9 +206,13 @@ struct SimulateArgs {
     workload: WorkloadArgs,
     #[command(flatten)]
     engine: EngineArgs,
-    /// Routers, comma-separated, in report order (default: all). Also
-    /// `kvroute-oracle-shared-load`: kvroute whose gateways share one
-    /// in-flight load table, an upper bound (not in the default list).
+    /// Routers, comma-separated, in report order (default: all). At K > 1
+    /// `kvroute`'s gateways get the others' pending prefill and key
+    /// placements from their collector, as the real collector gives them.
+    /// Not in the default list: `kvroute-alone`, gateways that read no
+    /// other gateway (sidecars without peers), and
+    /// `kvroute-oracle-shared-load`, kvroute whose gateways share one
+    /// in-flight load table, an upper bound.
     #[arg(long, value_delimiter = ',')]
     routers: Vec<String>,
     /// Simulated engines.

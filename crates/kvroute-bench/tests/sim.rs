@@ -294,12 +294,12 @@ fn admission_sheds_the_sheddable_and_protects_the_rest_under_overload() {
 }
 
 /// The oracle that shares one load table between gateways, and kvroute
-/// fed the other gateways' pending prefill by its collector, are kvroute
-/// itself at one gateway; at several they see the other gateways'
-/// dispatches (so they decide otherwise on a loaded fleet).
+/// whose gateways read no other gateway, are kvroute itself at one
+/// gateway; at several they see the other gateways' dispatches otherwise
+/// (exactly, or not at all), so they decide otherwise on a loaded fleet.
 #[test]
-fn the_shared_load_oracle_is_kvroute_at_one_gateway() {
-    for name in [routers::ORACLE_SHARED_LOAD, routers::PEER_PENDING] {
+fn the_gateway_layouts_are_kvroute_at_one_gateway() {
+    for name in [routers::ORACLE_SHARED_LOAD, routers::ALONE] {
         gateways_share_load(name);
     }
 }

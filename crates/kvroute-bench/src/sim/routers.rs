@@ -192,20 +192,13 @@ pub const ALL: &[&str] = &[
 /// is kvroute.
 pub const ORACLE_SHARED_LOAD: &str = "kvroute-oracle-shared-load";
 
-/// Not in [`ALL`]: kvroute with one collector for all K gateways, which
-/// reads every gateway's in-flight load at each push (the load report the
-/// ingest listener serves) and gives each gateway the sum of the *other*
-/// gateways' pending prefill per replica in its snapshot
-/// (`peerPendingTokens`, which the filter drains at `prefillTokensPerS`
-/// from the host's scrape time), as the real collector does when it pushes
-/// to several gateways (kvroute-collector, push.rs). With
-/// `--collectors per-gateway` it is the sidecar layout whose collectors
-/// read the other gateways' load (`--peer-gateway-service`): each gateway
-/// gets the others' figures at its own collector's push. A collector that
-/// reads no other gateway gets none of it; that is `kvroute`
-/// (docs/fleet-state.md, "Several gateways: what the gap is"). At K = 1 it
-/// is kvroute.
-pub const PEER_PENDING: &str = "kvroute-peer-pending";
+/// Not in [`ALL`]: kvroute whose gateways read no other gateway: each
+/// gateway's collector reads only the engines, so no snapshot carries the
+/// other gateways' pending prefill (`peerPendingTokens`) or their key
+/// placements (`placed`). The sidecar layout without
+/// `--peer-gateway-service` (docs/fleet-state.md, "Sidecars that read each
+/// other"). At K = 1 it is kvroute.
+pub const ALONE: &str = "kvroute-alone";
 
 /// The key of a router's report name (`round-robin (modelled)` ->
 /// `round-robin`).
@@ -282,15 +275,15 @@ pub fn build(name: &str, s: &Setup) -> Result<Box<dyn Router>, String> {
         "sglang-cache-aware" => Box::new(Sglang::new(engines, k)),
         "llm-d" => Box::new(Llmd::new(engines, k, seed)),
         "dynamo" => Box::new(Dynamo::new(engines, k, seed)),
-        "kvroute" => Box::new(Kvroute::new(s, false, false)?),
-        ORACLE_SHARED_LOAD => Box::new(Kvroute::new(s, true, false)?),
-        PEER_PENDING => Box::new(Kvroute::new(s, false, true)?),
+        "kvroute" => Box::new(Kvroute::new(s, Layout::Collector)?),
+        ALONE => Box::new(Kvroute::new(s, Layout::Alone)?),
+        ORACLE_SHARED_LOAD => Box::new(Kvroute::new(s, Layout::Oracle)?),
         other => {
+            let known = ALL.join(", ");
             return Err(format!(
-                "unknown router {other:?}; known: {}, {PEER_PENDING} (one collector for all gateways), \
-                 and {ORACLE_SHARED_LOAD} (an upper bound, not a router)",
-                ALL.join(", ")
-            ))
+                "unknown router {other:?}; known: {known}, {ALONE} (gateways that read no \
+                 other gateway), and {ORACLE_SHARED_LOAD} (an upper bound, not a router)"
+            ));
         }
     })
 }
@@ -356,6 +349,27 @@ impl SharedData for GatewayStore {
     }
 }
 
+/// What a kvroute gateway's snapshots carry of the other gateways.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// `kvroute`: one collector for all K gateways (or sidecars that read
+    /// each other, `--collectors per-gateway`), as the real collector does
+    /// when it reads several gateways: at each push it reads every
+    /// gateway's load report (the ingest listener's answer, with
+    /// `?placed=1`) and gives each gateway the sum of the *others'*
+    /// pending prefill per replica (`peerPendingTokens`, which the filter
+    /// drains at `prefillTokensPerS` from the host's scrape time) and
+    /// their recent key placements (`placed`) (kvroute-collector,
+    /// push.rs).
+    Collector,
+    /// [`ALONE`]: neither.
+    Alone,
+    /// [`ORACLE_SHARED_LOAD`]: one in-flight load table for every gateway
+    /// (no `peerPendingTokens`, the table has it exactly); placements as
+    /// `Collector`.
+    Oracle,
+}
+
 /// kvroute-core's request path, per gateway, as the filter runs it.
 pub struct Kvroute {
     cfg: Config,
@@ -373,17 +387,15 @@ pub struct Kvroute {
     headers_at_submit: bool,
     /// Admission counts, `<counter>{objective=<name>}`.
     admission: BTreeMap<String, u64>,
-    /// The collector reads the gateways' load tables ([`PEER_PENDING`]);
-    /// their entries are keyed by the ids of this set.
-    peer_pending: Option<HostSet>,
-    /// The fleet's addresses, for the gateways' placement reports.
+    /// What each gateway's snapshot carries of the other gateways.
+    layout: Layout,
+    /// The fleet's addresses, for the gateways' load and placement
+    /// reports.
     fleet: HostSet,
 }
 
 impl Kvroute {
-    /// `oracle`: every gateway reads and writes one in-flight load table
-    /// ([`ORACLE_SHARED_LOAD`]).
-    fn new(s: &Setup, oracle: bool, peer_pending: bool) -> Result<Self, String> {
+    fn new(s: &Setup, layout: Layout) -> Result<Self, String> {
         let (engines, gateways, config) = (s.engines, s.gateways.max(1), &s.kvroute_config);
         let (collector_s, clock_scale) = (s.collector_s, s.gateway_clock_scale);
         let addresses: Vec<String> = (0..engines).map(super::engine_address).collect();
@@ -397,14 +409,14 @@ impl Kvroute {
         let bytes = serde_json::to_vec(&json).map_err(|e| e.to_string())?;
         let cfg = Config::from_json(&bytes).map_err(|e| format!("kvroute config: {e}"))?;
         let shared_load = Rc::new(MemorySharedData::default());
-        let peer_set = peer_pending.then(|| HostSet::new(addresses.iter().cloned()));
         let fleet = HostSet::new(addresses.iter().cloned());
         Ok(Self {
             gateways: (0..gateways)
                 .map(|_| KvGateway {
                     store: GatewayStore {
                         own: MemorySharedData::default(),
-                        load: oracle.then(|| (Rc::clone(&shared_load), cfg.load_key.clone())),
+                        load: (layout == Layout::Oracle)
+                            .then(|| (Rc::clone(&shared_load), cfg.load_key.clone())),
                     },
                     metrics: Tally::default(),
                     workers: (0..s.workers.max(1)).map(|_| KvWorker::new(&cfg)).collect(),
@@ -426,7 +438,7 @@ impl Kvroute {
             rng: Rng::new(s.seed ^ 0x776b),
             headers_at_submit: s.headers_at_submit,
             admission: BTreeMap::new(),
-            peer_pending: peer_set,
+            layout,
             fleet,
             cfg,
         })
@@ -453,22 +465,14 @@ impl Kvroute {
     }
 }
 
-impl Kvroute {
-    /// The gateways share one load table ([`ORACLE_SHARED_LOAD`]).
-    fn shares_load(&self) -> bool {
-        self.gateways.iter().any(|g| g.store.load.is_some())
-    }
-}
-
 impl Router for Kvroute {
     fn name(&self) -> String {
-        if self.shares_load() {
-            ORACLE_SHARED_LOAD.to_owned()
-        } else if self.peer_pending.is_some() {
-            PEER_PENDING.to_owned()
-        } else {
-            "kvroute".to_owned()
+        match self.layout {
+            Layout::Collector => "kvroute",
+            Layout::Alone => ALONE,
+            Layout::Oracle => ORACLE_SHARED_LOAD,
         }
+        .to_owned()
     }
 
     fn setup(&self) -> String {
@@ -496,8 +500,12 @@ impl Router for Kvroute {
         let taken_ms = self.now_ms(taken_s);
         // The other gateways' pending prefill per replica, as the real
         // collector gets it: each gateway's load report (the ingest
-        // listener's answer), read at the push, summed by address.
-        let peers: Option<Vec<u64>> = self.peer_pending.as_ref().map(|hosts| {
+        // listener's answer), read at the push, summed by address. A
+        // collector that pushes to one gateway reads none.
+        let reads_peers = self.layout != Layout::Alone && self.gateways.len() > 1;
+        let peer_load = reads_peers && self.layout == Layout::Collector;
+        let hosts = &self.fleet;
+        let peers: Option<Vec<u64>> = peer_load.then(|| {
             let mut sum = vec![0u64; self.addresses.len()];
             for (i, g) in self.gateways.iter().enumerate() {
                 if i == gw {
@@ -524,7 +532,7 @@ impl Router for Kvroute {
             self.gateways
                 .iter()
                 .enumerate()
-                .filter(|&(i, _)| i != gw)
+                .filter(|&(i, _)| reads_peers && i != gw)
                 .flat_map(|(_, g)| {
                     placed::recent(&g.store, &self.cfg.fleet.placed_key, &[&self.fleet], now_ms)
                 }),
