@@ -367,16 +367,19 @@ pub mod defaults {
     /// The home's assumed share for a cold request (the index knows none of
     /// its blocks, it continues no conversation, no gateway has said where
     /// its key went); below `homeCachedShare` it turns key memory on
-    /// (`crate::placed`). 0.75 measured in the fleet simulation (16
-    /// replicas, five seeds, against `homeCachedShare` for cold requests
-    /// too): the Mooncake trace's TTFT p95 -3 to -6 % at one gateway and
-    /// -4 to -7 % at four, its hit rate +1 point; agent, tenants, groups,
-    /// bursts and ramp unchanged; chat +0-2 ms at one gateway, +6-8 ms at
-    /// four. 0.5 moved the trace further (-12 %) but cost chat and agent
-    /// 2-9 % of their p95 and the trace 1.5 points of hit rate at four
-    /// gateways (docs/fleet-state.md, "Key memory").
+    /// (`crate::placed`). A cold request's cost carries no
+    /// `recomputeWeight` (it computes nothing a second time), so the home
+    /// keeps it while its queue is shorter than this share of the prompt.
+    /// 0.25 measured in the fleet simulation (16 replicas, five seeds, one
+    /// and four gateways with one collector; 0.75, 0.5, 0.25 and 0): the
+    /// Mooncake trace's TTFT p95 1548 / 1476 / 1434 / 1412 ms at one
+    /// gateway and 1618 / 1654 / 1612 / 1669 at four, its hit rate 42.0 /
+    /// 41.7 / 41.6 / 41.7 % and 39.6 / 37.4 / 38.8 / 36.6 %; agent's
+    /// four-gateway median 1206 / 1368 / 1206 / 1206; tenants at four 95 /
+    /// 96 / 97 / 99; chat, groups, mix, bursts and ramp within 2 %
+    /// (docs/fleet-state.md, "Key memory").
     pub fn cold_home_share() -> f64 {
-        0.75
+        0.25
     }
     /// The weight of a request's uncached tokens beyond its own wait: the
     /// prefill it adds delays the requests behind it, and a prefix
@@ -1116,7 +1119,7 @@ mod tests {
         assert_eq!(c.role, Role::Router);
         assert_eq!(c.fleet.stale_after_ms, 2000);
         assert_eq!(c.fleet.home_cached_share, 0.95);
-        assert_eq!((c.fleet.cold_home_share, c.fleet.key_memory), (0.75, true));
+        assert_eq!((c.fleet.cold_home_share, c.fleet.key_memory), (0.25, true));
         assert_eq!(c.fleet.peer_pending_weight, 0.75);
         assert_eq!(c.fleet.cost_quantum_s, 0.002);
         assert_eq!(

@@ -96,20 +96,21 @@
 //! it, but it keeps a cold prompt on a busy home where it is as cold as
 //! anywhere. With `coldHomeShare` set below `homeCachedShare`, a cold
 //! request's home is credited with that share instead, so it leaves a busy
-//! home by cost, and the gateway remembers where it placed the key
-//! ([`crate::placed`]: an entry in the prefix index under the key, salted,
+//! home by cost (its cost carries no `recomputeWeight`: a cold request
+//! computes nothing a second time), and the gateway remembers where it
+//! placed the key ([`crate::placed`]: an entry in the prefix index under the key, salted,
 //! written by the cold request and kept current by every later request of
 //! the key). While the entry lives (`prefixTtlMs`), that replica stands
 //! for the key's rendezvous top, and a request of the key is not cold.
 //! The gateway also reports the placement in its load, and a collector
 //! that reads several gateways hands it to the others, which write it
 //! into their own index. In the fleet simulation (16 replicas, five
-//! seeds) the default, 0.75, took the Mooncake trace's TTFT p95 from 1640
-//! to 1556 ms at one gateway and from 1983 to 1911 at four (better on
-//! every seed), its hit rate from 41.5 to 42.7 % and 43.9 to 43.7 %, and
-//! left the other families' medians within 5 ms; 0.5 moved the trace further but
-//! cost chat and agent 2-9 % of their p95 (docs/fleet-state.md, "Key
-//! memory, shared through the collector").
+//! seeds) the default, 0.25 with no weight on cold requests, gives the
+//! Mooncake trace a TTFT p95 of 1434 ms at one gateway (1640 without key
+//! memory, 1556 with 0.75 and the weight) and 1612 at four with one
+//! collector (1660 with 0.75 and the weight); mix 4-5 % lower, the other
+//! families' medians within 2 ms (docs/fleet-state.md, "Key memory,
+//! shared through the collector").
 //!
 //! The prefix index ([`crate::index`]) is used in both modes. It lives in
 //! shared data, records what this gateway sent where, and needs no
@@ -801,8 +802,12 @@ fn scored(
     // A cold request: the index knows none of its blocks anywhere, it
     // continues no conversation, and no gateway has said where its key
     // went (a remembered key's earlier request is on the replica that
-    // stands for its home).
-    let home_share = if hits.is_empty() && !facts.continues && moved.is_none() {
+    // stands for its home). It computes nothing a second time anywhere,
+    // so no replica's cost carries `recomputeWeight`: the home's credit is
+    // an assumption about where the key's later requests go, not a cache
+    // it would duplicate elsewhere.
+    let cold = hits.is_empty() && !facts.continues && moved.is_none();
+    let home_share = if cold {
         f.cold_home_share
     } else {
         f.home_cached_share
@@ -863,8 +868,11 @@ fn scored(
             // A prefix computed again costs others only where memory is in
             // demand: the whole weight from `recomputeFullKv` of predicted
             // use, in proportion below it. Without engine data nothing is
-            // known of the replica's memory: the whole weight.
-            let weight = if r.fresh && f.recompute_full_kv > 0.0 {
+            // known of the replica's memory: the whole weight. A cold
+            // request computes no prefix again: none.
+            let weight = if cold {
+                0.0
+            } else if r.fresh && f.recompute_full_kv > 0.0 {
                 f.recompute_weight * (used / f.recompute_full_kv).clamp(0.0, 1.0)
             } else {
                 f.recompute_weight
@@ -2120,16 +2128,29 @@ mod tests {
         assert_eq!(d.targets[0], other_addr);
     }
 
+    /// A conversation's second turn over a document of about 2400 tokens:
+    /// not cold (a cold request's cost carries no `recomputeWeight`), so
+    /// its home's assumed share is `homeCachedShare`.
+    fn continuing_document() -> Facts {
+        let doc = "shared document ".repeat(600);
+        let f = facts(
+            &chat(
+                json!([{"role":"user","content":doc},{"role":"assistant","content":"read"},
+                       {"role":"user","content":"summarise it"}]),
+                json!({}),
+            ),
+            None,
+        );
+        assert!(f.continues);
+        f
+    }
+
     /// Where memory is not in demand, a prefix computed a second time
     /// costs little: a replica with a short queue keeps the request at
     /// high KV use, and loses it at low KV use.
     #[test]
     fn the_recompute_weight_follows_kv_use() {
-        let doc = "shared document ".repeat(600); // about 2400 tokens
-        let f = facts(
-            &chat(json!([{"role":"user","content":doc}]), json!({})),
-            None,
-        );
+        let f = continuing_document();
         let pick = |c: &Config, home_kv: f64, other_kv: f64, home: &str, other: &str| {
             // Four waiting at the home: about 4k tokens of prefill ahead.
             let v = view(
@@ -2165,11 +2186,7 @@ mod tests {
     /// to drain at `prefillTokensPerS` from when the collector read it.
     #[test]
     fn other_gateways_pending_prefill_counts_until_it_drains() {
-        let doc = "shared document ".repeat(600); // about 2400 tokens
-        let f = facts(
-            &chat(json!([{"role":"user","content":doc}]), json!({})),
-            None,
-        );
+        let f = continuing_document();
         let (home, other) = home_of_two(&f);
         let with_peers = |peer: Option<u64>| {
             let mut v = view(&[(&home, true, 0.3, 0, &[]), (other, true, 0.3, 0, &[])], 0);
@@ -2216,10 +2233,11 @@ mod tests {
         (f1, f2)
     }
 
-    /// Bounded load spills a new conversation off a home whose memory is
-    /// past the bound, but not a continuing one when the replica it would
-    /// go to costs more than `spillCostRatio` times as much (its history
-    /// would be computed again there); with the ratio at 0 it spills too.
+    /// A new conversation leaves a home whose memory is past the bound (by
+    /// cost: cold, it costs its own prefill on the other replica), but a
+    /// continuing one is not spilled when the replica it would go to costs
+    /// more than `spillCostRatio` times as much (its history would be
+    /// computed again there); with the ratio at 0 it spills.
     #[test]
     fn a_conversation_is_not_spilled_where_it_costs_much_more() {
         let opening = "a long opening question ".repeat(5000); // about 30k tokens
@@ -2230,7 +2248,7 @@ mod tests {
         // predicted at about 0.5 s against about 4 s cold on the other.
         let full = view(&[(&home, true, 0.6, 0, &[]), (other, true, 0.0, 0, &[])], 0);
         let d1 = fleet_pick(&full, &f1, 5000);
-        assert_eq!((d1.reason, d1.targets[0].as_str()), (Reason::Spill, other));
+        assert_eq!(d1.targets[0], other, "{d1:?}");
         let d2 = fleet_pick(&full, &f2, 5000);
         assert_eq!((d2.reason, &d2.targets[0]), (Reason::Session, &home));
         assert_eq!(d2.targets[1], other, "the spill target is the fallback");
@@ -2425,12 +2443,12 @@ mod equivalence {
             let first = request(7, 1000, 16);
             let home = picker::preference_order(&c.hosts, first.affinity.key())[0];
             let home_id = c.hosts.get(home).unwrap().id;
-            // 3000 tokens of prefill pending on the home: more than the
-            // cache would save at share 0.5 (0.5 x 1000 x (1 + 3)), less
-            // than at 0.95.
+            // 700 tokens of prefill pending on the home: more than the
+            // cache would save at share 0.5 (0.5 x 1000; a cold request's
+            // cost carries no `recomputeWeight`), less than at 0.95.
             let busy = Charge {
                 host: home_id,
-                prefill: 3000,
+                prefill: 700,
                 memory: 0,
             };
             load::update(&store, &c.load_key, |t| t.add(busy)).unwrap();
@@ -2553,19 +2571,21 @@ mod equivalence {
 
     /// Every gateway, with an idle snapshot or with none, sends a key to
     /// its home, the rendezvous top of its key over the hosts, whatever
-    /// each gateway's own load (while it is below what the cache saves).
+    /// each gateway's own load (while it is below what the home is
+    /// credited with: for these cold requests, `coldHomeShare` of the
+    /// prompt, 500 tokens and more).
     #[test]
     fn every_gateway_sends_a_key_home() {
         let cfg = config(8);
         let view = snapshot_of(&cfg, 0);
-        // Gateway a is idle; gateway b has 1500 tokens pending on every
+        // Gateway a is idle; gateway b has 400 tokens pending on every
         // other host.
         let idle = LoadTable::default();
         let mut busy = LoadTable::default();
         for h in cfg.hosts.iter().step_by(2) {
             busy.add(Charge {
                 host: h.id,
-                prefill: 1500,
+                prefill: 400,
                 memory: 3000,
             });
         }

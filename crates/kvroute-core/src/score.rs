@@ -9,7 +9,7 @@
 //! ```text
 //! cost = (pending + uncached * (1 + w)) / prefillTokensPerS
 //!      + memorySeconds * max(0, (use - memoryKnee) / (1 - memoryKnee))^2
-//! w    = recomputeWeight * min(1, use / recomputeFullKv)
+//! w    = recomputeWeight * min(1, use / recomputeFullKv)   (0 for a cold request)
 //! ```
 //!
 //! - `pending`: prefill ahead of the request, the larger of the engine's
@@ -38,7 +38,12 @@
 //!   replica's memory: the whole weight. On the fleet simulation's
 //!   Mooncake trace (KV use about 10 %) a whole weight held requests at
 //!   busy homes and cost TTFT p95; on the chat family (about 50 %) the
-//!   weight is what keeps conversations home (docs/fleet-state.md).
+//!   weight is what keeps conversations home (docs/fleet-state.md). A
+//!   *cold* request (the prefix index knows none of its blocks, it
+//!   continues no conversation, no gateway has said where its key went)
+//!   computes nothing a second time anywhere: its weight is 0, and its
+//!   home's credit (`coldHomeShare`) is an assumption about where the
+//!   key's later requests go, not a cache it would duplicate.
 //!
 //! Locality therefore yields when a warm replica's predicted cost exceeds a
 //! cold one's (its queue outweighs the prefill the cache saves), not at a
