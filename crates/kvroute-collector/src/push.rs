@@ -31,7 +31,7 @@
 //! Gateways found through `--gateway-service` join the board when their
 //! address appears and leave it when it goes.
 //!
-//! The same read asks for the gateway's recent placements off home
+//! The same read asks for the gateway's recent placements
 //! (`?placed=1`, [`kvroute_core::placed`]): each gateway whose own report
 //! carries the field gets the *other* gateways' placements from reads
 //! younger than [`LOAD_MAX_AGE_MS`], aged to the push, one per key, in its
@@ -178,7 +178,7 @@ impl LoadBoard {
 }
 
 impl LoadBoard {
-    /// The other gateways' recent placements off home ([`placed`]), their
+    /// The other gateways' recent placements ([`placed`]), their
     /// ages counted to `now_ms`, for a gateway whose own last report had
     /// the field (it reads them); `None` for one that does not.
     pub fn placed_for(&self, me: &str, now_ms: u64) -> Option<Vec<Placement>> {

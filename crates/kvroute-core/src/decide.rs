@@ -1102,16 +1102,14 @@ pub fn route(
                 let remember = (cold && moved.is_none()) || moved == Some(h.id);
                 if let Some(seen) = key_seen.filter(|_| remember) {
                     let wrote = index.record_after(store, cache, &key_block, h.id, now_ms, &seen);
-                    // The other gateways learn where the key went when it
-                    // is not where they would send it (off its rendezvous
-                    // top), and again whenever this gateway renews that
-                    // memory (every half `prefixTtlMs` while the key is in
-                    // use), so that their copies live as long as this one.
-                    let top = hosts
-                        .iter()
-                        .max_by_key(|t| picker::rank(affinity.key(), t.id))
-                        .map(|t| t.id);
-                    if wrote > 0 && top != Some(h.id) {
+                    // The other gateways learn where the key went, and
+                    // again whenever this gateway renews that memory
+                    // (every half `prefixTtlMs` while the key is in use),
+                    // so that their copies live as long as this one. Also
+                    // when it went to its rendezvous top: another gateway,
+                    // whose index knows none of the key's blocks, would
+                    // take its next request for cold and place it by cost.
+                    if wrote > 0 {
                         placed::note(store, &cfg.fleet.placed_key, affinity.key(), h.id, now_ms);
                     }
                 }
@@ -2532,41 +2530,104 @@ mod equivalence {
             *b ^= 0xdead_beef;
         }
         for (told, expected) in [(false, home), (true, placed_at)] {
-            let b = MemorySharedData::default();
-            let snap = crate::fleet::Snapshot {
-                version: 1,
-                seq: 1,
-                collector: "c".into(),
-                taken_at_ms: 0,
-                hosts: c
-                    .hosts
-                    .iter()
-                    .map(|h| idle_host(&h.addr, true, 0))
-                    .collect(),
-                placed: if told { report.clone() } else { Vec::new() },
-            };
-            let stored = crate::ingest::store(&c, &b, &snap.to_json(), 1500);
-            assert!(
-                matches!(stored, crate::ingest::Outcome::Accepted { .. }),
-                "{stored:?}"
-            );
-            let mut fleet = crate::ingest::FleetCache::default();
-            let (view, _) = fleet.refresh(&c, &b);
-            let view = view.unwrap();
-            assert!(view.hosts.len() == 8);
-            let d = route(
-                &c,
-                &b,
-                &m,
-                &mut IndexCache::default(),
-                Ok(&next),
-                Some(&view),
-                2000,
-                0,
-            );
+            let placed = if told { report.clone() } else { Vec::new() };
+            let d = on_gateway_told(&c, &placed, None, &next);
             let target = &c.hosts.get(expected).unwrap().addr;
             assert_eq!(&d.targets[0], target, "told {told}: {d:?}");
         }
+    }
+
+    /// A decision on a second gateway `b` (its own shared data, `busy` in
+    /// its load table) after a snapshot of idle hosts carrying `placed`.
+    fn on_gateway_told(
+        c: &Config,
+        placed: &[placed::Placement],
+        busy: Option<Charge>,
+        f: &Facts,
+    ) -> Decision {
+        let (b, m) = (MemorySharedData::default(), MemoryMetrics::default());
+        if let Some(busy) = busy {
+            load::update(&b, &c.load_key, |t| t.add(busy)).unwrap();
+        }
+        let snap = crate::fleet::Snapshot {
+            version: 1,
+            seq: 1,
+            collector: "c".into(),
+            taken_at_ms: 0,
+            hosts: c
+                .hosts
+                .iter()
+                .map(|h| idle_host(&h.addr, true, 0))
+                .collect(),
+            placed: placed.to_vec(),
+        };
+        let stored = crate::ingest::store(c, &b, &snap.to_json(), 1500);
+        assert!(
+            matches!(stored, crate::ingest::Outcome::Accepted { .. }),
+            "{stored:?}"
+        );
+        let mut fleet = crate::ingest::FleetCache::default();
+        let (view, _) = fleet.refresh(c, &b);
+        let view = view.unwrap();
+        assert!(view.hosts.len() == c.hosts.len());
+        route(
+            c,
+            &b,
+            &m,
+            &mut IndexCache::default(),
+            Ok(f),
+            Some(&view),
+            2000,
+            0,
+        )
+    }
+
+    /// A key's cold request placed on its own rendezvous home is reported
+    /// too: gateway B, whose index knows none of the key's blocks, would
+    /// take the key's next request for cold and move it off a home it has
+    /// work pending on (more than `coldHomeShare` of the prompt); told,
+    /// it keeps it home (the key's earlier request is there).
+    #[test]
+    fn a_key_placed_on_its_home_is_reported_too() {
+        let c = config(8);
+        let (a, m) = (MemorySharedData::default(), MemoryMetrics::default());
+        let first = request(11, 1000, 16);
+        let home = picker::preference_order(&c.hosts, first.affinity.key())[0];
+        let d = route(
+            &c,
+            &a,
+            &m,
+            &mut IndexCache::default(),
+            Ok(&first),
+            None,
+            1000,
+            0,
+        );
+        assert_eq!(
+            d.pick.unwrap().primary,
+            home,
+            "an idle gateway sends it home"
+        );
+        let report = placed::recent(&a, &c.fleet.placed_key, &[&c.hosts], 1200);
+        let home_addr = &c.hosts.get(home).unwrap().addr;
+        assert_eq!(report.len(), 1);
+        assert_eq!(&report[0].address, home_addr);
+        // The next request of the key shares no block with the first.
+        let mut next = request(11, 1000, 16);
+        for blk in next.blocks.iter_mut() {
+            *blk ^= 0xdead_beef;
+        }
+        // 600 tokens pending on the home at B: more than a quarter of the
+        // prompt, less than `homeCachedShare` of it.
+        let busy = Charge {
+            host: c.hosts.get(home).unwrap().id,
+            prefill: 600,
+            memory: 0,
+        };
+        let blind = on_gateway_told(&c, &[], Some(busy), &next);
+        assert_ne!(&blind.targets[0], home_addr, "{blind:?}");
+        let told = on_gateway_told(&c, &report, Some(busy), &next);
+        assert_eq!(&told.targets[0], home_addr, "{told:?}");
     }
 
     /// Every gateway, with an idle snapshot or with none, sends a key to

@@ -16,7 +16,7 @@
 //! ```
 //!
 //! A snapshot may carry `placed`: the other gateways' recent placements
-//! off home, `[{"key": "00c0ffee00c0ffee", "address": "10.0.0.11:8000",
+//! `[{"key": "00c0ffee00c0ffee", "address": "10.0.0.11:8000",
 //! "ageMs": 120}]`, which a gateway with key memory writes into its prefix
 //! index ([`crate::placed`]). Absent, there are none.
 //!
@@ -60,7 +60,7 @@ pub struct Snapshot {
     /// When the snapshot was assembled, collector clock, Unix ms.
     pub taken_at_ms: u64,
     pub hosts: Vec<HostState>,
-    /// The other gateways' recent placements off home, for key memory
+    /// The other gateways' recent placements, for key memory
     /// ([`crate::placed`]); at most [`placed::MAX_SNAPSHOT`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub placed: Vec<Placement>,

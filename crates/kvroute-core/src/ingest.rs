@@ -43,7 +43,7 @@ pub const INGEST_PATH: &str = "/v1/fleet/snapshot";
 /// ([`crate::load::LoadReport`]), with the same bearer token.
 pub const LOAD_PATH: &str = "/v1/fleet/load";
 /// The query by which a collector asks the load report for the gateway's
-/// recent placements off home too ([`crate::placed`]); without it the
+/// recent placements too ([`crate::placed`]); without it the
 /// report is what an older collector reads.
 pub const LOAD_PLACED_QUERY: &str = "placed=1";
 

@@ -32,7 +32,7 @@
 //! A collector that pushes to several gateways reads each one's table on
 //! the ingest listener (`GET /v1/fleet/load`, [`LoadReport`], by address)
 //! and gives each gateway the others' pending prefill in its snapshot
-//! (`peerPendingTokens`), and their recent placements off home
+//! (`peerPendingTokens`), and their recent placements
 //! (`placed`, [`crate::placed`]).
 
 use serde::{Deserialize, Serialize};
@@ -226,12 +226,12 @@ impl LoadTable {
 /// "memoryTokens": 9000}]}`. Idle replicas are left out. Asked with
 /// `?placed=1` ([`crate::ingest::LOAD_PLACED_QUERY`]) it also carries
 /// `"placed": [{"key": "00c0ffee00c0ffee", "address": "10.0.0.11:8000",
-/// "ageMs": 120}]`, the gateway's recent placements off home.
+/// "ageMs": 120}]`, the gateway's recent placements.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LoadReport {
     pub hosts: Vec<HostLoad>,
-    /// This gateway's recent placements off home ([`crate::placed`]).
+    /// This gateway's recent placements ([`crate::placed`]).
     /// Present (maybe empty) from a gateway that reads them in a snapshot;
     /// absent from an older one, which gets none.
     #[serde(default, skip_serializing_if = "Option::is_none")]

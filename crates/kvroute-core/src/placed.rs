@@ -1,20 +1,22 @@
-//! Key memory: where a gateway placed a key whose cold request left its
-//! home, remembered in the prefix index and shared with the other gateways
-//! through the collector.
+//! Key memory: where a gateway placed a key's cold request, remembered in
+//! the prefix index and shared with the other gateways through the
+//! collector.
 //!
 //! With `fleet.coldHomeShare` below `homeCachedShare` a cold request (the
 //! prefix index knows none of its blocks, it continues no conversation) may
 //! leave its key's rendezvous home by cost ([`crate::decide`]). The gateway
-//! then records the replica in its prefix index under the key, salted
+//! records the replica in its prefix index under the key, salted
 //! ([`key_block`]), and that replica stands for the key's home while the
-//! entry lives. Other gateways must learn it too, or they send the key's
-//! next request to the rendezvous home, where nothing of it is cached. So:
+//! entry lives. Other gateways must learn it too: their indexes know none
+//! of the key's blocks, so they would take its next request for cold and
+//! place it by cost, or send it to the rendezvous home, where nothing of it
+//! may be cached. So:
 //!
-//! 1. a decision that changes where the gateway remembers a key (a new
-//!    key placed off its rendezvous home, or a remembered key placed
-//!    elsewhere) also appends `(key, replica, time)` to a small ring in
-//!    shared data ([`note`]; [`RING`] entries, compare-and-swap, a lost
-//!    race drops the note);
+//! 1. a decision that writes the memory (a new key placed, on its
+//!    rendezvous home or off it, or a remembered key's memory renewed,
+//!    every half `prefixTtlMs` while in use) also appends `(key, replica,
+//!    time)` to a small ring in shared data ([`note`]; [`RING`] entries,
+//!    compare-and-swap, a lost race drops the note);
 //! 2. the gateway's load report (`GET /v1/fleet/load`,
 //!    [`crate::load::LoadReport::placed`]) carries the ring's entries
 //!    younger than [`REPORT_MS`], by address;

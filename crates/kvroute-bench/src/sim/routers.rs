@@ -524,7 +524,7 @@ impl Router for Kvroute {
             }
             sum
         });
-        // The other gateways' recent placements off home, as a collector
+        // The other gateways' recent placements, as a collector
         // that pushes to several gateways reads them in their load reports
         // at each push.
         let now_ms = self.now_ms(now_s);
