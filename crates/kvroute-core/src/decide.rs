@@ -108,9 +108,10 @@
 //! seeds) the default, 0.25 with no weight on cold requests, gives the
 //! Mooncake trace a TTFT p95 of 1434 ms at one gateway (1640 without key
 //! memory, 1556 with 0.75 and the weight) and 1612 at four with one
-//! collector (1660 with 0.75 and the weight); mix 4-5 % lower, the other
-//! families' medians within 2 ms (docs/fleet-state.md, "Key memory,
-//! shared through the collector").
+//! collector (1660 with 0.75 and the weight); mix 4-5 % lower; agent's
+//! ten-seed median 12 % higher at one gateway (the rule moves its cold
+//! first turns off busy homes); the other families' medians within 2 ms
+//! (docs/fleet-state.md, "Key memory, shared through the collector").
 //!
 //! The prefix index ([`crate::index`]) is used in both modes. It lives in
 //! shared data, records what this gateway sent where, and needs no
