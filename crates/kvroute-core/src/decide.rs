@@ -98,9 +98,9 @@
 //! request's home is credited with that share instead, so it leaves a busy
 //! home by cost (its cost carries no `recomputeWeight`: a cold request
 //! computes nothing a second time), and the gateway remembers where it
-//! placed the key ([`crate::placed`]: an entry in the prefix index under the key, salted,
-//! written by the cold request and kept current by every later request of
-//! the key). While the entry lives (`prefixTtlMs`), that replica stands
+//! placed the key ([`crate::placed`]: an entry in the prefix index under
+//! the key, salted, written by the cold request and kept current by every
+//! later request of the key). While the entry lives (`prefixTtlMs`), that replica stands
 //! for the key's rendezvous top, and a request of the key is not cold.
 //! The gateway also reports the placement in its load, and a collector
 //! that reads several gateways hands it to the others, which write it
@@ -2501,7 +2501,6 @@ mod equivalence {
             hosts.join(",")
         );
         let c = Config::from_json(json.as_bytes()).unwrap();
-        let m = MemoryMetrics::default();
         let a = MemorySharedData::default();
         let first = request(9, 1000, 16);
         let home = picker::preference_order(&c.hosts, first.affinity.key())[0];
@@ -2511,16 +2510,7 @@ mod equivalence {
             memory: 0,
         };
         load::update(&a, &c.load_key, |t| t.add(busy)).unwrap();
-        let d = route(
-            &c,
-            &a,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&first),
-            None,
-            1000,
-            0,
-        );
+        let d = on_gateway_a(&c, &a, &first);
         let placed_at = d.pick.unwrap().primary;
         assert_ne!(placed_at, home);
         let report = placed::recent(&a, &c.fleet.placed_key, &[&c.hosts], 1200);
@@ -2536,6 +2526,13 @@ mod equivalence {
             let target = &c.hosts.get(expected).unwrap().addr;
             assert_eq!(&d.targets[0], target, "told {told}: {d:?}");
         }
+    }
+
+    /// A decision on gateway `a` (its shared data `a`), without a
+    /// snapshot, at time 1000.
+    fn on_gateway_a(c: &Config, a: &MemorySharedData, f: &Facts) -> Decision {
+        let m = MemoryMetrics::default();
+        route(c, a, &m, &mut IndexCache::default(), Ok(f), None, 1000, 0)
     }
 
     /// A decision on a second gateway `b` (its own shared data, `busy` in
@@ -2591,19 +2588,10 @@ mod equivalence {
     #[test]
     fn a_key_placed_on_its_home_is_reported_too() {
         let c = config(8);
-        let (a, m) = (MemorySharedData::default(), MemoryMetrics::default());
+        let a = MemorySharedData::default();
         let first = request(11, 1000, 16);
         let home = picker::preference_order(&c.hosts, first.affinity.key())[0];
-        let d = route(
-            &c,
-            &a,
-            &m,
-            &mut IndexCache::default(),
-            Ok(&first),
-            None,
-            1000,
-            0,
-        );
+        let d = on_gateway_a(&c, &a, &first);
         assert_eq!(
             d.pick.unwrap().primary,
             home,

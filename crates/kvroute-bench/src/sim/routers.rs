@@ -502,8 +502,9 @@ impl Router for Kvroute {
         // collector gets it: each gateway's load report (the ingest
         // listener's answer), read at the push, summed by address. A
         // collector that pushes to one gateway reads none.
-        let reads_peers = self.layout != Layout::Alone && self.gateways.len() > 1;
-        let peer_load = reads_peers && self.layout == Layout::Collector;
+        let others = self.gateways.len() > 1;
+        let peer_load = others && self.layout == Layout::Collector;
+        let peer_placements = others && self.layout != Layout::Alone;
         let hosts = &self.fleet;
         let peers: Option<Vec<u64>> = peer_load.then(|| {
             let mut sum = vec![0u64; self.addresses.len()];
@@ -532,7 +533,7 @@ impl Router for Kvroute {
             self.gateways
                 .iter()
                 .enumerate()
-                .filter(|&(i, _)| reads_peers && i != gw)
+                .filter(|&(i, _)| peer_placements && i != gw)
                 .flat_map(|(_, g)| {
                     placed::recent(&g.store, &self.cfg.fleet.placed_key, &[&self.fleet], now_ms)
                 }),
