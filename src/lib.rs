@@ -993,7 +993,7 @@ impl Ingest {
         if let Some(v) = view.as_deref() {
             known.push(&v.set);
         }
-        let mut report = LoadReport::of(&table, &known);
+        let mut report = LoadReport::of(&table, &known, now_ms(), cfg.fleet.arrival_window_ms);
         if with_placed {
             let placed = placed::recent(&HostSharedData, &cfg.fleet.placed_key, &known, now_ms());
             report.placed = Some(placed);

@@ -142,6 +142,7 @@ impl EngineState {
             scraped_at_ms: self.scraped_at_ms.min(taken_ms),
             engine: m.and_then(|m| m.engine).map(|k| k.as_str().to_owned()),
             peer_pending_tokens: None,
+            peer_arrivals_per_s: None,
         }
     }
 }

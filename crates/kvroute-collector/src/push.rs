@@ -53,7 +53,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvroute_core::fleet::Snapshot;
+use kvroute_core::fleet::{Snapshot, MAX_ARRIVALS_PER_S};
 use kvroute_core::ingest;
 use kvroute_core::load::LoadReport;
 use kvroute_core::placed::{self, Placement};
@@ -157,9 +157,9 @@ impl LoadBoard {
     /// The other gateways' pending prefill by address, summed over reads
     /// younger than [`LOAD_MAX_AGE_MS`]; `None` when no other gateway's
     /// load is known.
-    pub fn others(&self, me: &str, now_ms: u64) -> Option<HashMap<String, u64>> {
+    pub fn others(&self, me: &str, now_ms: u64) -> Option<HashMap<String, PeerLoad>> {
         let slots = self.lock();
-        let mut sum: Option<HashMap<String, u64>> = None;
+        let mut sum: Option<HashMap<String, PeerLoad>> = None;
         for (gateway, slot) in slots.iter() {
             let Some((read_ms, report)) = &slot.load else {
                 continue;
@@ -170,7 +170,8 @@ impl LoadBoard {
             let sum = sum.get_or_insert_with(HashMap::new);
             for h in &report.hosts {
                 let v = sum.entry(h.address.clone()).or_default();
-                *v = v.saturating_add(h.prefill_pending_tokens);
+                v.pending = v.pending.saturating_add(h.prefill_pending_tokens);
+                v.arrivals_per_s += h.arrivals_per_s.unwrap_or(0.0);
             }
         }
         sum
@@ -199,12 +200,29 @@ impl LoadBoard {
     }
 }
 
-/// `snap` with every host's `peerPendingTokens` from `others` (0 where no
-/// other gateway has any).
-pub fn with_peers(snap: &Snapshot, others: &HashMap<String, u64>) -> Snapshot {
+/// The other gateways' figures for one replica, summed.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PeerLoad {
+    /// Prefill tokens pending.
+    pub pending: u64,
+    /// Requests per second sent lately.
+    pub arrivals_per_s: f64,
+}
+
+/// `snap` with every host's `peerPendingTokens` and `peerArrivalsPerS`
+/// from `others` (0 where no other gateway has any), the rate bounded as
+/// the snapshot's check requires.
+pub fn with_peers(snap: &Snapshot, others: &HashMap<String, PeerLoad>) -> Snapshot {
     let mut out = snap.clone();
     for h in &mut out.hosts {
-        h.peer_pending_tokens = Some(others.get(&h.address).copied().unwrap_or(0));
+        let peer = others.get(&h.address).copied().unwrap_or_default();
+        h.peer_pending_tokens = Some(peer.pending);
+        let rate = peer.arrivals_per_s;
+        h.peer_arrivals_per_s = Some(if rate.is_finite() {
+            rate.clamp(0.0, MAX_ARRIVALS_PER_S)
+        } else {
+            0.0
+        });
     }
     out
 }
@@ -571,6 +589,8 @@ mod tests {
                     address: a.to_owned(),
                     prefill_pending_tokens: p,
                     memory_tokens: p,
+                    // A quarter of a request a second per pending token.
+                    arrivals_per_s: Some(p as f64 / 4.0),
                 })
                 .collect(),
             placed: None,
@@ -628,19 +648,23 @@ mod tests {
         b.set("g1", 10_000, Some(report(&[("a:1", 5), ("b:1", 7)])));
         b.set("g2", 9_000, Some(report(&[("a:1", 1)])));
         let o = b.others("g0", 10_000).unwrap();
-        assert_eq!((o["a:1"], o["b:1"]), (6, 7));
+        assert_eq!((o["a:1"].pending, o["b:1"].pending), (6, 7));
+        assert_eq!(
+            (o["a:1"].arrivals_per_s, o["b:1"].arrivals_per_s),
+            (1.5, 1.75)
+        );
         let o = b.others("g1", 10_000).unwrap();
-        assert_eq!((o["a:1"], o.get("b:1")), (101, None));
+        assert_eq!((o["a:1"].pending, o.get("b:1")), (101, None));
         // Gateway 2's read ages out; a failed read clears gateway 1's.
         let o = b.others("g0", 11_500).unwrap();
-        assert_eq!(o["a:1"], 5);
+        assert_eq!(o["a:1"].pending, 5);
         b.set("g1", 11_500, None);
         assert_eq!(b.others("g0", 11_500), None);
         b.set("g7", 11_500, None); // no such slot: ignored
         assert_eq!(b.others("g0", 11_500), None);
         // A gateway that left no longer counts.
         b.set("g1", 12_000, Some(report(&[("a:1", 3)])));
-        assert_eq!(b.others("g0", 12_000).unwrap()["a:1"], 3);
+        assert_eq!(b.others("g0", 12_000).unwrap()["a:1"].pending, 3);
         b.leave("g1");
         assert_eq!(b.others("g0", 12_000), None);
     }

@@ -333,10 +333,13 @@ fn gateway_with_load(load: Arc<Mutex<String>>) -> FakeServer {
     }))
 }
 
+/// A gateway's load report: `prefill` tokens pending on `address`, twice
+/// that held, and a thousandth of it in recent arrivals per second.
 fn load_body(address: SocketAddr, prefill: u64) -> String {
     format!(
-        r#"{{"hosts":[{{"address":"{address}","prefillPendingTokens":{prefill},"memoryTokens":{}}}]}}"#,
-        prefill * 2
+        r#"{{"hosts":[{{"address":"{address}","prefillPendingTokens":{prefill},"memoryTokens":{},"arrivalsPerS":{}}}]}}"#,
+        prefill * 2,
+        prefill as f64 / 1000.0
     )
 }
 
@@ -390,6 +393,12 @@ fn several_gateways_get_each_others_pending_prefill() {
         peer(&b_last, e2.addr),
         Some(0),
         "a replica A has nothing on"
+    );
+    // A's recent arrivals come along: 3 a second on e1, none on e2.
+    let arrivals = |addr| host(&b_last, addr).peer_arrivals_per_s;
+    assert_eq!(
+        (arrivals(e1.addr), arrivals(e2.addr)),
+        (Some(3.0), Some(0.0))
     );
     assert!(snapshots(&gw_a)
         .iter()

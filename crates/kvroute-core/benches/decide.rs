@@ -51,6 +51,7 @@ fn snapshot_json(hosts: usize) -> Vec<u8> {
             scraped_at_ms: 1_764_400_000_000 - (i % 250) as u64,
             engine: Some("vllm".into()),
             peer_pending_tokens: None,
+            peer_arrivals_per_s: None,
         })
         .collect();
     Snapshot {

@@ -64,6 +64,7 @@ fn main() {
             scraped_at_ms: now,
             engine: Some("vllm".into()),
             peer_pending_tokens: None,
+            peer_arrivals_per_s: None,
         })
         .collect();
     let addresses: Vec<String> = hosts.iter().map(|h| format!("\"{}\"", h.address)).collect();

@@ -135,6 +135,10 @@ pub struct RawFleet {
     pub recompute_weight: f64,
     #[serde(default = "defaults::peer_pending_weight")]
     pub peer_pending_weight: f64,
+    #[serde(default = "defaults::arrival_delay_weight")]
+    pub arrival_delay_weight: f64,
+    #[serde(default = "defaults::arrival_window_ms")]
+    pub arrival_window_ms: u64,
     #[serde(default = "defaults::memory_knee")]
     pub memory_knee: f64,
     #[serde(default = "defaults::memory_seconds")]
@@ -173,6 +177,8 @@ impl Default for RawFleet {
             cold_home_share: defaults::cold_home_share(),
             recompute_weight: defaults::recompute_weight(),
             peer_pending_weight: defaults::peer_pending_weight(),
+            arrival_delay_weight: defaults::arrival_delay_weight(),
+            arrival_window_ms: defaults::arrival_window_ms(),
             memory_knee: defaults::memory_knee(),
             memory_seconds: defaults::memory_seconds(),
             memory_floor: defaults::memory_floor(),
@@ -387,6 +393,33 @@ pub mod defaults {
     pub fn recompute_weight() -> f64 {
         3.0
     }
+    /// The weight of the delay a request's prefill puts on the requests
+    /// that arrive behind it: each replica's cost adds this x its recent
+    /// arrival rate x the prefill's seconds squared / 2 (the expected
+    /// requests arriving during the prefill, each waiting half of it on
+    /// average). The rate counts the requests that continue a
+    /// conversation (bound to where their history is; a new request sees
+    /// a pending prefill and goes elsewhere): this gateway's, decayed over
+    /// `arrivalWindowMs`, plus the other gateways' (`peerArrivalsPerS`).
+    /// 4 measured in the fleet simulation (16 replicas, seeds 1-5, one and
+    /// four gateways; 0, 2, 4, 8): agent's TTFT p95 878 / 588 / 207 / 219
+    /// ms at one gateway and 1206 / 1040 / 769 / 1128 at four; chat's 184
+    /// / 165 / 156 / 149 and 215 / 204 / 214 / 218; bursts, ramp, groups
+    /// and tenants within 2 ms at 4; the Mooncake trace and mix unchanged
+    /// (no request continues a conversation there). Counting every request
+    /// instead moved the Mooncake trace's p95 from 1434 to 1534-1631 ms
+    /// at weights 0.5-2 (docs/fleet-state.md, "Arrivals behind a
+    /// prefill").
+    pub fn arrival_delay_weight() -> f64 {
+        4.0
+    }
+    /// The time over which the recent arrival rate per replica decays
+    /// (`arrivalDelayWeight`). 10 s measured against 5 s and 20 s (agent,
+    /// seeds 1-5: TTFT p95 207 / 664 / 219 ms at one gateway, 769 / 1341
+    /// / 1064 at four; chat 156 / 161 / 164 and 214 / 205 / 215).
+    pub fn arrival_window_ms() -> u64 {
+        10_000
+    }
     /// The share of the other gateways' pending prefill on a replica
     /// (`peerPendingTokens`, from a collector that pushes to several
     /// gateways) counted in its pending prefill. Each gateway charges a
@@ -597,6 +630,8 @@ pub struct FleetConfig {
     pub key_memory: bool,
     pub recompute_weight: f64,
     pub peer_pending_weight: f64,
+    pub arrival_delay_weight: f64,
+    pub arrival_window_ms: u64,
     pub memory_knee: f64,
     pub memory_seconds: f64,
     pub memory_floor: f64,
@@ -836,6 +871,21 @@ impl RawConfig {
                 "must be between 0 and 100",
             ));
         }
+        if !(f.arrival_delay_weight.is_finite() && (0.0..=100.0).contains(&f.arrival_delay_weight))
+        {
+            return Err(err(
+                "fleet.arrivalDelayWeight",
+                f.arrival_delay_weight,
+                "must be between 0 and 100",
+            ));
+        }
+        if !(100..=3_600_000).contains(&f.arrival_window_ms) {
+            return Err(err(
+                "fleet.arrivalWindowMs",
+                f.arrival_window_ms,
+                "must be between 100 and 3600000",
+            ));
+        }
         if !(f.memory_seconds.is_finite() && (0.0..=3600.0).contains(&f.memory_seconds)) {
             return Err(err(
                 "fleet.memorySeconds",
@@ -952,6 +1002,8 @@ impl RawConfig {
             key_memory: f.cold_home_share < f.home_cached_share,
             recompute_weight: f.recompute_weight,
             peer_pending_weight: f.peer_pending_weight,
+            arrival_delay_weight: f.arrival_delay_weight,
+            arrival_window_ms: f.arrival_window_ms,
             memory_knee: f.memory_knee,
             memory_seconds: f.memory_seconds,
             memory_floor: f.memory_floor,
@@ -1212,6 +1264,16 @@ mod tests {
                 r#"{"hosts":["127.0.0.1:1"],"fleet":{"coldHomeShare":1.5}}"#,
                 "fleet.coldHomeShare",
                 "between 0 and 1",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"fleet":{"arrivalDelayWeight":-1}}"#,
+                "fleet.arrivalDelayWeight",
+                "between 0 and 100",
+            ),
+            (
+                r#"{"hosts":["127.0.0.1:1"],"fleet":{"arrivalWindowMs":0}}"#,
+                "fleet.arrivalWindowMs",
+                "between 100 and 3600000",
             ),
             (
                 r#"{"hosts":["127.0.0.1:1"],"fleet":{"peerPendingWeight":1.5}}"#,

@@ -528,13 +528,16 @@ struct Replica {
     capacity: Option<u64>,
     /// The snapshot's KV utilisation (0 without current engine data).
     kv: f64,
+    /// Requests per second this gateway sent it lately
+    /// (`arrivalWindowMs`, [`LoadTable::arrival_rate`]).
+    arrivals: f64,
 }
 
 impl Replica {
     /// A replica with no engine data: no snapshot at all, or stale metrics.
     /// It is judged on the gateway's own figures (what it sent there:
     /// prefill pending, memory held) and may be a home.
-    fn unobserved(index: usize, id: u64, gw: Entry) -> Replica {
+    fn unobserved(index: usize, id: u64, gw: Entry, arrivals: f64) -> Replica {
         Replica {
             index,
             id,
@@ -544,17 +547,22 @@ impl Replica {
             memory: gw.memory,
             capacity: None,
             kv: 0.0,
+            arrivals,
         }
     }
 }
 
 /// The configured hosts as replicas, none with engine data.
-fn configured(hosts: &HostSet, table: &LoadTable) -> Vec<Replica> {
+fn configured(cfg: &Config, table: &LoadTable, now_ms: u64) -> Vec<Replica> {
+    let window = cfg.fleet.arrival_window_ms;
     table
-        .aligned(hosts)
+        .aligned(&cfg.hosts)
         .into_iter()
         .enumerate()
-        .map(|(index, gw)| Replica::unobserved(index, gw.host, gw))
+        .map(|(index, gw)| {
+            let arrivals = table.arrival_rate(gw.host, now_ms, window);
+            Replica::unobserved(index, gw.host, gw, arrivals)
+        })
         .collect()
 }
 
@@ -595,6 +603,10 @@ fn observed(
         };
         let st = &host.state;
         let capacity = st.kv_capacity_tokens.filter(|&c| c > 0);
+        // This gateway's recent arrivals there, plus the other gateways'
+        // as the collector read them (`peerArrivalsPerS`).
+        let arrivals = table.arrival_rate(id.id, now_ms, f.arrival_window_ms)
+            + st.peer_arrivals_per_s.unwrap_or(0.0);
         // Stale metrics say nothing reliable about load: such a replica is
         // judged on the gateway's own figures, as without a snapshot (only
         // its capacity, which does not change, is still used), and Envoy's
@@ -603,7 +615,7 @@ fn observed(
             degraded = true;
             replicas.push(Replica {
                 capacity,
-                ..Replica::unobserved(index, id.id, gw)
+                ..Replica::unobserved(index, id.id, gw, arrivals)
             });
             continue;
         }
@@ -632,6 +644,7 @@ fn observed(
             memory: engine_memory.unwrap_or(0).max(gw.memory),
             capacity,
             kv: st.kv_utilization.clamp(0.0, 1.0),
+            arrivals,
         });
     }
     (replicas, degraded)
@@ -749,7 +762,7 @@ fn pick_keyed(
             )
         }
         None => {
-            let replicas = configured(&cfg.hosts, table);
+            let replicas = configured(cfg, table, now_ms);
             scored(
                 cfg, facts, affinity, subset, moved, &cfg.hosts, &replicas, hits, true,
             )
@@ -879,10 +892,15 @@ fn scored(
                 f.recompute_weight
             };
             let ttft = (r.pending as f64 + uncached * (1.0 + weight)) / f.prefill_tokens_per_s;
+            // The requests that arrive behind this prefill wait for it:
+            // at the replica's recent arrival rate, `rate x prefill` of
+            // them, half the prefill each on average.
+            let prefill_s = uncached / f.prefill_tokens_per_s;
+            let delay = f.arrival_delay_weight * r.arrivals * prefill_s * prefill_s / 2.0;
             Candidate {
                 index: r.index,
                 id: r.id,
-                score: -(ttft + memory_term),
+                score: -(ttft + memory_term + delay),
                 pressured: r.fresh && !r.headroom,
                 memory_costed: r.fresh && r.capacity.is_some(),
                 load: r.memory,
@@ -1078,6 +1096,9 @@ pub fn route(
                 let d = decide(table);
                 if let Some(c) = d.charge {
                     table.add(c);
+                    if facts.continues {
+                        table.arrived(c.host, now_ms, cfg.fleet.arrival_window_ms);
+                    }
                 }
                 d
             });
@@ -1204,6 +1225,7 @@ fn idle_host(addr: &str, ready: bool, scraped_at_ms: u64) -> crate::fleet::HostS
         scraped_at_ms,
         engine: None,
         peer_pending_tokens: None,
+        peer_arrivals_per_s: None,
     }
 }
 
@@ -1851,6 +1873,7 @@ mod tests {
                         scraped_at_ms: 1000 - age_ms,
                         engine: None,
                         peer_pending_tokens: None,
+                        peer_arrivals_per_s: None,
                     },
                 )
                 .collect(),
@@ -2130,7 +2153,7 @@ mod tests {
     /// A conversation's second turn over a document of about 2400 tokens:
     /// not cold (a cold request's cost carries no `recomputeWeight`), so
     /// its home's assumed share is `homeCachedShare`.
-    fn continuing_document() -> Facts {
+    pub(super) fn continuing_document() -> Facts {
         let doc = "shared document ".repeat(600);
         let f = facts(
             &chat(
@@ -2530,6 +2553,59 @@ mod equivalence {
 
     /// A decision on gateway `a` (its shared data `a`), without a
     /// snapshot, at time 1000.
+    /// A conversation's later turns come back to the replica that holds it
+    /// and wait behind any prefill sent there: a new conversation's long
+    /// first prompt goes where fewer of them arrive
+    /// (`arrivalDelayWeight`), past the home's credit for it.
+    #[test]
+    fn a_long_first_prompt_avoids_the_replica_conversations_return_to() {
+        for (weight, goes_home) in [(0.0, true), (4.0, false)] {
+            let json = format!(
+                r#"{{"hosts":["10.0.0.1:8000","10.0.0.2:8000"],"fleet":{{"arrivalDelayWeight":{weight}}}}}"#
+            );
+            let c = Config::from_json(json.as_bytes()).unwrap();
+            let store = MemorySharedData::default();
+            // Cold, 30k tokens: its home is credited with a quarter of it
+            // (0.25 s of prefill at 30k tokens/s).
+            let first = request(7, 30_000, 16);
+            let home = picker::preference_order(&c.hosts, first.affinity.key())[0];
+            let home_id = c.hosts.get(home).unwrap().id;
+            // Five turns came back to the home in the last second: about
+            // 0.5 a second over the 10 s window, so 0.75 s of prefill there
+            // delays others by 4 x 0.5 x 0.75^2 / 2, 0.56 s.
+            load::update(&store, &c.load_key, |t| {
+                for at in [0, 250, 500, 750, 1000] {
+                    t.arrived(home_id, at, c.fleet.arrival_window_ms);
+                }
+            })
+            .unwrap();
+            let d = on_gateway_a(&c, &store, &first);
+            assert_eq!(
+                d.pick.unwrap().primary == home,
+                goes_home,
+                "weight {weight}"
+            );
+        }
+    }
+
+    /// Only a request that continues a conversation counts as an arrival:
+    /// it is bound to where its history is, while a new one is free to go
+    /// where no prefill is pending.
+    #[test]
+    fn only_a_continuing_request_counts_as_an_arrival() {
+        let c = config(2);
+        let store = MemorySharedData::default();
+        let rate = |d: &Decision| {
+            let id = c.hosts.get(d.pick.as_ref().unwrap().primary).unwrap().id;
+            load::read(&store, &c.load_key).arrival_rate(id, 1000, c.fleet.arrival_window_ms)
+        };
+        let d = on_gateway_a(&c, &store, &request(7, 1000, 16));
+        assert_eq!(rate(&d), 0.0);
+        let d = on_gateway_a(&c, &store, &super::tests::continuing_document());
+        // One request over the 10 s window.
+        assert!((rate(&d) - 0.1).abs() < 1e-9, "{}", rate(&d));
+    }
+
     fn on_gateway_a(c: &Config, a: &MemorySharedData, f: &Facts) -> Decision {
         let m = MemoryMetrics::default();
         route(c, a, &m, &mut IndexCache::default(), Ok(f), None, 1000, 0)

@@ -47,6 +47,9 @@ pub const SNAPSHOT_VERSION: u32 = 1;
 pub const MAX_HOSTS: usize = 4096;
 pub const MAX_MODELS_PER_HOST: usize = 64;
 pub const MAX_NAME_LEN: usize = 256;
+/// Bound on a host's `peerArrivalsPerS`: far above any replica's request
+/// rate, so that a value past it is a collector's error.
+pub const MAX_ARRIVALS_PER_S: f64 = 1_000_000.0;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -106,6 +109,11 @@ pub struct HostState {
     /// does not read its peers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer_pending_tokens: Option<u64>,
+    /// Requests per second the other gateways sent this replica lately
+    /// (their load reports' `arrivalsPerS`, summed), as the collector
+    /// read them. Absent: unknown, as for `peerPendingTokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_arrivals_per_s: Option<f64>,
 }
 
 /// What is wrong with a snapshot: a JSON path and a reason.
@@ -227,6 +235,14 @@ impl Snapshot {
             }
             if !(h.kv_utilization.is_finite() && (0.0..=1.0).contains(&h.kv_utilization)) {
                 return Err(bad(at("kvUtilization"), "must be a number from 0 to 1"));
+            }
+            if h.peer_arrivals_per_s
+                .is_some_and(|r| !(r.is_finite() && (0.0..=MAX_ARRIVALS_PER_S).contains(&r)))
+            {
+                return Err(bad(
+                    at("peerArrivalsPerS"),
+                    format!("must be a number from 0 to {MAX_ARRIVALS_PER_S}"),
+                ));
             }
             if h.models.len() > MAX_MODELS_PER_HOST {
                 return Err(bad(
@@ -361,6 +377,7 @@ mod tests {
             scraped_at_ms: 90,
             engine: Some("vllm".into()),
             peer_pending_tokens: None,
+            peer_arrivals_per_s: None,
         }
     }
 
@@ -476,6 +493,13 @@ mod tests {
                     ..host("10.0.0.1:80")
                 }]),
                 "hosts[0].kvUtilization",
+            ),
+            (
+                snap(vec![HostState {
+                    peer_arrivals_per_s: Some(-1.0),
+                    ..host("10.0.0.1:80")
+                }]),
+                "hosts[0].peerArrivalsPerS",
             ),
             (
                 snap(vec![HostState {

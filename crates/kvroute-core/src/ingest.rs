@@ -504,6 +504,7 @@ mod tests {
                     scraped_at_ms: 990,
                     engine: None,
                     peer_pending_tokens: None,
+                    peer_arrivals_per_s: None,
                 })
                 .collect(),
         }

@@ -13,12 +13,24 @@
 //! compare-and-swap: read, change, write back with the version read, retry
 //! on a conflict.
 //!
-//! Encoding (little endian): the magic `KVL2`, then 24 bytes per busy host:
-//! host id (u64), prefill pending (u64), memory held (u64). Hosts with no
-//! load are dropped, so the value stays as small as the busy part of the
-//! fleet. Hosts are keyed by id, not position, so a config change that
-//! reorders the host list keeps everyone's load. (`KVL1` held prefill and
-//! decode tokens instead; its key, `load.v1`, is no longer read.)
+//! Beside them, per host, the requests this gateway sent it lately: a count
+//! that decays exponentially over `fleet.arrivalWindowMs`, so that it
+//! divided by the window is the recent arrival rate
+//! ([`LoadTable::arrival_rate`]). A prefill delays every request that
+//! arrives behind it on its replica; the score charges that delay by this
+//! rate (`fleet.arrivalDelayWeight`, [`crate::decide`]).
+//!
+//! Encoding (little endian): the magic `KVL3`, the number of busy hosts
+//! (u32), then 24 bytes per busy host: host id (u64), prefill pending
+//! (u64), memory held (u64); then 24 bytes per host with recent arrivals:
+//! host id (u64), the decayed count in thousandths (u64), when it was last
+//! counted (gateway clock, ms, u64). Hosts with no load are dropped, and
+//! arrivals once they have decayed away, so the value stays as small as
+//! the busy part of the fleet. Hosts are keyed by id, not position, so a
+//! config change that reorders the host list keeps everyone's load.
+//! (`KVL2`, the same without the count and the arrivals, is still read, as
+//! a table without arrivals; `KVL1` held prefill and decode tokens
+//! instead, under the key `load.v1`, no longer read.)
 //!
 //! Entries are kept sorted by host id, so that a decision, which reads one
 //! entry per candidate replica, merges the table with its candidate list in
@@ -42,8 +54,13 @@ use crate::host::{SetError, SharedData};
 use crate::picker::HostSet;
 use crate::placed::{self, Placement};
 
-const MAGIC: &[u8; 4] = b"KVL2";
+const MAGIC: &[u8; 4] = b"KVL3";
+/// The previous encoding: load entries only.
+const MAGIC_V2: &[u8; 4] = b"KVL2";
 const ENTRY: usize = 24;
+/// An arrival count decayed over this many windows is gone (e^-30 of any
+/// count a table can hold is below one thousandth).
+const ARRIVALS_KEPT_WINDOWS: u64 = 30;
 
 /// One host's in-flight tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -53,10 +70,29 @@ pub struct Entry {
     pub memory: u64,
 }
 
-/// In-flight tokens per host.
+/// One host's recent arrivals: a count that decays by `e^(-age / window)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Arrivals {
+    host: u64,
+    /// The count at `at_ms`, in thousandths.
+    milli: u64,
+    at_ms: u64,
+}
+
+impl Arrivals {
+    /// The count at `now_ms` (the clock never runs back for it).
+    fn count(&self, now_ms: u64, window_ms: u64) -> f64 {
+        let age = now_ms.saturating_sub(self.at_ms) as f64;
+        self.milli as f64 / 1000.0 * (-age / window_ms.max(1) as f64).exp()
+    }
+}
+
+/// In-flight tokens and recent arrivals per host.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LoadTable {
     entries: Vec<Entry>,
+    /// Sorted by host, one per host.
+    arrivals: Vec<Arrivals>,
 }
 
 /// A stored value that is not a load table.
@@ -73,8 +109,18 @@ pub struct Charge {
 
 impl LoadTable {
     pub fn decode(bytes: &[u8]) -> Result<LoadTable, DecodeError> {
-        let body = bytes.strip_prefix(MAGIC.as_slice()).ok_or(DecodeError)?;
-        if body.len() % ENTRY != 0 {
+        let (loads, arrivals) = if let Some(body) = bytes.strip_prefix(MAGIC.as_slice()) {
+            let (n, rest) = body.split_first_chunk::<4>().ok_or(DecodeError)?;
+            let split = (u32::from_le_bytes(*n) as usize)
+                .checked_mul(ENTRY)
+                .filter(|&k| k <= rest.len())
+                .ok_or(DecodeError)?;
+            rest.split_at(split)
+        } else {
+            let body = bytes.strip_prefix(MAGIC_V2.as_slice()).ok_or(DecodeError)?;
+            (body, &[][..])
+        };
+        if loads.len() % ENTRY != 0 || arrivals.len() % ENTRY != 0 {
             return Err(DecodeError);
         }
         let word = |c: &[u8], k: usize| -> u64 {
@@ -84,7 +130,7 @@ impl LoadTable {
             }
             u64::from_le_bytes(w)
         };
-        let entries = body
+        let entries = loads
             .chunks_exact(ENTRY)
             .map(|c| Entry {
                 host: word(c, 0),
@@ -92,7 +138,15 @@ impl LoadTable {
                 memory: word(c, 2),
             })
             .collect();
-        let mut table = LoadTable { entries };
+        let arrivals = arrivals
+            .chunks_exact(ENTRY)
+            .map(|c| Arrivals {
+                host: word(c, 0),
+                milli: word(c, 1),
+                at_ms: word(c, 2),
+            })
+            .collect();
+        let mut table = LoadTable { entries, arrivals };
         table.normalise();
         Ok(table)
     }
@@ -104,6 +158,25 @@ impl LoadTable {
             [a, b] => a.host < b.host,
             _ => true,
         });
+        let arrivals_ordered = self.arrivals.windows(2).all(|w| match w {
+            [a, b] => a.host < b.host,
+            _ => true,
+        });
+        if !arrivals_ordered {
+            // A stored table never repeats a host; if one does, its counts
+            // are added, at the latest time.
+            let mut arrivals = std::mem::take(&mut self.arrivals);
+            arrivals.sort_by_key(|a| (a.host, a.at_ms));
+            for a in arrivals {
+                match self.arrivals.last_mut() {
+                    Some(last) if last.host == a.host => {
+                        last.milli = last.milli.saturating_add(a.milli);
+                        last.at_ms = a.at_ms;
+                    }
+                    _ => self.arrivals.push(a),
+                }
+            }
+        }
         if ordered && self.entries.iter().all(|e| e.prefill != 0 || e.memory != 0) {
             return;
         }
@@ -123,14 +196,60 @@ impl LoadTable {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(MAGIC.len() + self.entries.len() * ENTRY);
+        let rows = self.entries.len() + self.arrivals.len();
+        let mut out = Vec::with_capacity(MAGIC.len() + 4 + rows * ENTRY);
         out.extend_from_slice(MAGIC);
-        for e in &self.entries {
-            out.extend_from_slice(&e.host.to_le_bytes());
-            out.extend_from_slice(&e.prefill.to_le_bytes());
-            out.extend_from_slice(&e.memory.to_le_bytes());
+        // At most one entry per host id seen, far below u32::MAX.
+        out.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
+        let words = self
+            .entries
+            .iter()
+            .map(|e| [e.host, e.prefill, e.memory])
+            .chain(self.arrivals.iter().map(|a| [a.host, a.milli, a.at_ms]));
+        for w in words.flatten() {
+            out.extend_from_slice(&w.to_le_bytes());
         }
         out
+    }
+
+    /// Counts a request sent to `host` at `now_ms`, and forgets the counts
+    /// that have decayed away.
+    pub fn arrived(&mut self, host: u64, now_ms: u64, window_ms: u64) {
+        let gone = window_ms.max(1).saturating_mul(ARRIVALS_KEPT_WINDOWS);
+        self.arrivals
+            .retain(|a| a.host == host || now_ms.saturating_sub(a.at_ms) < gone);
+        let counted = |a: &Arrivals| ((a.count(now_ms, window_ms) + 1.0) * 1000.0) as u64;
+        match self.arrivals.binary_search_by_key(&host, |a| a.host) {
+            Ok(i) => {
+                if let Some(a) = self.arrivals.get_mut(i) {
+                    *a = Arrivals {
+                        host,
+                        milli: counted(a),
+                        at_ms: now_ms.max(a.at_ms),
+                    };
+                }
+            }
+            Err(i) => self.arrivals.insert(
+                i,
+                Arrivals {
+                    host,
+                    milli: 1000,
+                    at_ms: now_ms,
+                },
+            ),
+        }
+    }
+
+    /// The requests per second this gateway sent `host` lately: the
+    /// decayed count over the window (an exponentially weighted rate).
+    pub fn arrival_rate(&self, host: u64, now_ms: u64, window_ms: u64) -> f64 {
+        self.arrivals
+            .binary_search_by_key(&host, |a| a.host)
+            .ok()
+            .and_then(|i| self.arrivals.get(i))
+            .map_or(0.0, |a| {
+                a.count(now_ms, window_ms) * 1000.0 / window_ms.max(1) as f64
+            })
     }
 
     pub fn entries(&self) -> &[Entry] {
@@ -223,11 +342,14 @@ impl LoadTable {
 
 /// A gateway's load table by address, as the ingest listener serves it:
 /// `{"hosts": [{"address": "10.0.0.11:8000", "prefillPendingTokens": 2048,
-/// "memoryTokens": 9000}]}`. Idle replicas are left out. Asked with
+/// "memoryTokens": 9000, "arrivalsPerS": 1.5}]}`, `arrivalsPerS` being the
+/// recent arrival rate ([`LoadTable::arrival_rate`]; absent for a host
+/// sent nothing lately). Replicas neither busy nor sent anything lately
+/// are left out. Asked with
 /// `?placed=1` ([`crate::ingest::LOAD_PLACED_QUERY`]) it also carries
 /// `"placed": [{"key": "00c0ffee00c0ffee", "address": "10.0.0.11:8000",
 /// "ageMs": 120}]`, the gateway's recent placements.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LoadReport {
     pub hosts: Vec<HostLoad>,
@@ -238,29 +360,40 @@ pub struct LoadReport {
     pub placed: Option<Vec<Placement>>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct HostLoad {
     pub address: String,
     pub prefill_pending_tokens: u64,
     pub memory_tokens: u64,
+    /// Requests per second the gateway sent it lately; absent from a
+    /// gateway that does not count them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arrivals_per_s: Option<f64>,
 }
 
 impl LoadReport {
-    /// The table's entries whose host is in one of `known` (the snapshot's
-    /// and the configured hosts; the table keys hosts by id), at most
-    /// [`MAX_HOSTS`].
-    pub fn of(table: &LoadTable, known: &[&HostSet]) -> LoadReport {
-        let hosts = table
-            .entries()
-            .iter()
-            .filter_map(|e| {
+    /// The table's hosts (busy, or sent something lately) that are in one
+    /// of `known` (the snapshot's and the configured hosts; the table keys
+    /// hosts by id), at most [`MAX_HOSTS`]; arrival rates at `now_ms` over
+    /// `window_ms`.
+    pub fn of(table: &LoadTable, known: &[&HostSet], now_ms: u64, window_ms: u64) -> LoadReport {
+        let mut ids: Vec<u64> = table.entries.iter().map(|e| e.host).collect();
+        ids.extend(table.arrivals.iter().map(|a| a.host));
+        ids.sort_unstable();
+        ids.dedup();
+        let hosts = ids
+            .into_iter()
+            .filter_map(|id| {
                 known.iter().find_map(|set| {
-                    let host = set.index_of(e.host).and_then(|i| set.get(i))?;
+                    let host = set.index_of(id).and_then(|i| set.get(i))?;
+                    let e = table.entry(id);
+                    let counted = table.arrivals.binary_search_by_key(&id, |a| a.host).is_ok();
                     Some(HostLoad {
                         address: host.addr.clone(),
                         prefill_pending_tokens: e.prefill,
                         memory_tokens: e.memory,
+                        arrivals_per_s: counted.then(|| table.arrival_rate(id, now_ms, window_ms)),
                     })
                 })
             })
@@ -486,8 +619,10 @@ mod tests {
                 memory: 2 * prefill,
             });
         }
-        let r = LoadReport::of(&t, &[&snapshot, &configured]);
-        let got: Vec<(&str, u64, u64)> = r
+        // Sent a request lately, with nothing in flight now: reported.
+        t.arrived(snapshot.get(0).unwrap().id, 0, 1000);
+        let r = LoadReport::of(&t, &[&snapshot, &configured], 0, 1000);
+        let got: Vec<(&str, u64, u64, Option<f64>)> = r
             .hosts
             .iter()
             .map(|h| {
@@ -495,12 +630,20 @@ mod tests {
                     h.address.as_str(),
                     h.prefill_pending_tokens,
                     h.memory_tokens,
+                    h.arrivals_per_s,
                 )
             })
             .collect();
         let mut got = got;
-        got.sort_unstable();
-        assert_eq!(got, vec![("10.0.0.2:1", 5, 10), ("10.0.0.3:1", 7, 14)]);
+        got.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        assert_eq!(
+            got,
+            vec![
+                ("10.0.0.1:1", 0, 0, Some(1.0)),
+                ("10.0.0.2:1", 5, 10, None),
+                ("10.0.0.3:1", 7, 14, None)
+            ]
+        );
         assert_eq!(LoadReport::from_json(&r.to_json()), Ok(r));
         assert!(LoadReport::from_json(br#"{"hosts":[{"address":"a"}]}"#).is_err());
         assert!(LoadReport::from_json(b"nope").is_err());
@@ -548,7 +691,8 @@ mod tests {
 
     #[test]
     fn an_unordered_stored_table_is_put_in_order() {
-        let mut bytes = MAGIC.to_vec();
+        // Written in the previous encoding, which is still read.
+        let mut bytes = MAGIC_V2.to_vec();
         for (host, prefill, memory) in [(9u64, 1u64, 2u64), (3, 0, 0), (4, 5, 0), (9, 10, 20)] {
             for w in [host, prefill, memory] {
                 bytes.extend_from_slice(&w.to_le_bytes());
@@ -578,6 +722,65 @@ mod tests {
                 ..Entry::default()
             }
         );
+    }
+
+    #[test]
+    fn arrivals_decay_over_the_window_and_are_kept_apart_from_load() {
+        let w = 10_000;
+        let mut t = LoadTable::default();
+        t.arrived(5, 1000, w);
+        t.arrived(5, 1000, w);
+        // Two requests over a 10 s window: 0.2 a second.
+        assert!((t.arrival_rate(5, 1000, w) - 0.2).abs() < 1e-9);
+        // A window later, e^-1 of it; a clock behind the count, no decay.
+        let later = t.arrival_rate(5, 1000 + w, w);
+        assert!((later - 0.2 / std::f64::consts::E).abs() < 1e-6, "{later}");
+        assert!((t.arrival_rate(5, 0, w) - 0.2).abs() < 1e-9);
+        assert_eq!(t.arrival_rate(6, 1000, w), 0.0);
+        // Arrivals are no load, and survive the encoding.
+        assert!(t.entries().is_empty());
+        assert_eq!(t.totals(), (0, 0));
+        assert_eq!(LoadTable::decode(&t.encode()), Ok(t.clone()));
+        // A load released to nothing leaves the arrivals alone.
+        let c = Charge {
+            host: 5,
+            prefill: 3,
+            memory: 4,
+        };
+        t.add(c);
+        t.release(c);
+        assert!(t.entries().is_empty());
+        assert!(t.arrival_rate(5, 1000, w) > 0.0);
+        // Counts decayed over 30 windows are forgotten at the next arrival.
+        t.arrived(9, 1000 + 30 * w, w);
+        assert_eq!(t.arrival_rate(5, 1000 + 30 * w, w), 0.0);
+        assert_eq!(t.arrivals.len(), 1);
+    }
+
+    #[test]
+    fn a_malformed_table_is_rejected() {
+        let with = |count: u32, body: usize| {
+            let mut b = MAGIC.to_vec();
+            b.extend_from_slice(&count.to_le_bytes());
+            b.extend_from_slice(&vec![0u8; body]);
+            b
+        };
+        // The count of load entries past the end; arrivals not whole.
+        for (count, body) in [
+            (2, ENTRY),
+            (0, ENTRY - 1),
+            (1, 2 * ENTRY - 1),
+            (u32::MAX, ENTRY),
+        ] {
+            assert_eq!(
+                LoadTable::decode(&with(count, body)),
+                Err(DecodeError),
+                "{count} {body}"
+            );
+        }
+        assert_eq!(LoadTable::decode(b"KVL3"), Err(DecodeError));
+        assert_eq!(LoadTable::decode(b"KVL3\x00\x00"), Err(DecodeError));
+        assert!(LoadTable::decode(&with(1, 2 * ENTRY)).is_ok());
     }
 
     #[test]

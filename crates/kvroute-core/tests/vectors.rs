@@ -123,7 +123,7 @@ const EXPECTED: &[&str] = &[
     "7 Prefix key=959b04c65878d07b blocks=2 first=41c97fc4ae41ae52 last=b3f1eafb478e7d1e in=184 out=9 idle8=3[6, 4] busy8=spill:6[4, 5] idle256=17",
     "8 Session key=e9246d289a65a220 blocks=2 first=0bb5e227447a6a22 last=c216564322ba74e3 in=129 out=100 idle8=3[1, 5] busy8=spill:1[5, 2] idle256=80",
     "order256 key=7 [57, 143, 4, 180, 28, 42]",
-    "table [4b, 56, 4c, 32, 01, 00, 00, 00, 00, 00, 00, 00, 02, 00, 00, 00, 00, 00, 00, 00, 03, 00, 00, 00, 00, 00, 00, 00]",
+    "table [4b, 56, 4c, 33, 01, 00, 00, 00, 01, 00, 00, 00, 00, 00, 00, 00, 02, 00, 00, 00, 00, 00, 00, 00, 03, 00, 00, 00, 00, 00, 00, 00]",
 ];
 
 #[cfg_attr(not(target_arch = "wasm32"), test)]

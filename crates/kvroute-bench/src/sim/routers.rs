@@ -506,20 +506,25 @@ impl Router for Kvroute {
         let peer_load = others && self.layout == Layout::Collector;
         let peer_placements = others && self.layout != Layout::Alone;
         let hosts = &self.fleet;
-        let peers: Option<Vec<u64>> = peer_load.then(|| {
-            let mut sum = vec![0u64; self.addresses.len()];
+        let now_ms = self.now_ms(now_s);
+        let window = self.cfg.fleet.arrival_window_ms;
+        // Per replica: (pending prefill, arrivals per second).
+        let peers: Option<Vec<(u64, f64)>> = peer_load.then(|| {
+            let mut sum = vec![(0u64, 0.0f64); self.addresses.len()];
             for (i, g) in self.gateways.iter().enumerate() {
                 if i == gw {
                     continue;
                 }
-                let report = LoadReport::of(&load::read(&g.store, &self.cfg.load_key), &[hosts]);
+                let table = load::read(&g.store, &self.cfg.load_key);
+                let report = LoadReport::of(&table, &[hosts], now_ms, window);
                 for h in &report.hosts {
                     if let Some(slot) = self
                         .by_address
                         .get(&h.address)
                         .and_then(|&k| sum.get_mut(k))
                     {
-                        *slot = slot.saturating_add(h.prefill_pending_tokens);
+                        slot.0 = slot.0.saturating_add(h.prefill_pending_tokens);
+                        slot.1 += h.arrivals_per_s.unwrap_or(0.0);
                     }
                 }
             }
@@ -528,7 +533,6 @@ impl Router for Kvroute {
         // The other gateways' recent placements, as a collector
         // that pushes to several gateways reads them in their load reports
         // at each push.
-        let now_ms = self.now_ms(now_s);
         let placed = placed::merge(
             self.gateways
                 .iter()
@@ -560,7 +564,8 @@ impl Router for Kvroute {
                     block_size: Some(BLOCK_TOKENS as u32),
                     scraped_at_ms: taken_ms,
                     engine: Some("vllm".to_owned()),
-                    peer_pending_tokens: peers.as_ref().and_then(|p| p.get(k).copied()),
+                    peer_pending_tokens: peers.as_ref().and_then(|p| p.get(k)).map(|p| p.0),
+                    peer_arrivals_per_s: peers.as_ref().and_then(|p| p.get(k)).map(|p| p.1),
                 })
                 .collect(),
         };
