@@ -230,6 +230,34 @@ def test_prefill_is_pending_until_the_first_body_byte(stack_factory, wasm_path):
     wait_until(lambda: mine()["memoryTokens"] == 0, 5.0, "the memory released")
 
 
+
+def test_a_continuing_request_counts_as_an_arrival(stack_factory, wasm_path):
+    """The load report carries, per replica, the rate of requests that
+    continue a conversation this gateway sent there lately (`arrivalsPerS`,
+    decayed over `fleet.arrivalWindowMs`, 10 s): a replica that only
+    started conversations has none, and one continuing turn is 0.1 a
+    second, decaying."""
+    gw = stack_factory(replicas=2, ingest_token=TOKEN)
+    # The load report names the snapshot's replicas.
+    assert gw.push_fleet().status == 204
+
+    def report() -> list[dict]:
+        status, load = gateway_load(gw)
+        assert status == 200, load
+        return load["hosts"]
+
+    first = send(gw.gateway_url, CHAT, json_body=chat_body(turns(0, 1)[0]))
+    assert first.status == 200, first.describe()
+    assert all("arrivalsPerS" not in h for h in report()), report()
+    second = send(gw.gateway_url, CHAT, json_body=chat_body(turns(0, 2)[1]))
+    assert second.status == 200, second.describe()
+    counted = [h for h in report() if "arrivalsPerS" in h]
+    assert [h["address"] for h in counted] == [second.served_by], counted
+    assert 0.05 < counted[0]["arrivalsPerS"] <= 0.1, counted
+    # Once the answer is done, the host is reported for its arrivals alone.
+    wait_until(lambda: [(h["prefillPendingTokens"], h["memoryTokens"]) for h in report()] == [(0, 0)],
+               5.0, "the memory released, the arrivals kept")
+
 @pytest.mark.parametrize("layout", ["shared", "sidecars"])
 def test_the_gateways_share_their_pending_prefill(stack_factory, wasm_path, collector_binary, layout):
     """One collector pushing to both gateways (shared), or a collector per

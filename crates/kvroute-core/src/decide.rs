@@ -68,7 +68,11 @@
 //!   request (ready, serving its model), with their engine data; where the
 //!   snapshot gives the other gateways' pending prefill on a replica
 //!   (`peerPendingTokens`), it adds to this gateway's, less what the
-//!   replica has prefilled at `prefillTokensPerS` since it was read;
+//!   replica has prefilled at `prefillTokensPerS` since it was read; so
+//!   do the other gateways' recent arrivals (`peerArrivalsPerS`) to this
+//!   gateway's ([`crate::load`]), which a decision that continues a
+//!   conversation counts on its primary in the same compare-and-swap as
+//!   its charge;
 //! - without one (foundation mode), the configured hosts, none with engine
 //!   data: each is judged on the gateway's own figures, exactly as a
 //!   snapshot replica whose data is stale (pending = the gateway's pending

@@ -123,28 +123,27 @@ impl LoadTable {
         if loads.len() % ENTRY != 0 || arrivals.len() % ENTRY != 0 {
             return Err(DecodeError);
         }
-        let word = |c: &[u8], k: usize| -> u64 {
-            let mut w = [0u8; 8];
-            if let Some(s) = c.get(k * 8..k * 8 + 8) {
-                w.copy_from_slice(s);
-            }
-            u64::from_le_bytes(w)
-        };
-        let entries = loads
-            .chunks_exact(ENTRY)
-            .map(|c| Entry {
-                host: word(c, 0),
-                prefill: word(c, 1),
-                memory: word(c, 2),
+        // Both sections are rows of three little-endian words.
+        fn rows(b: &[u8]) -> impl Iterator<Item = [u64; 3]> + '_ {
+            let word = |c: &[u8], k: usize| -> u64 {
+                let mut w = [0u8; 8];
+                if let Some(s) = c.get(k * 8..k * 8 + 8) {
+                    w.copy_from_slice(s);
+                }
+                u64::from_le_bytes(w)
+            };
+            b.chunks_exact(ENTRY)
+                .map(move |c| [word(c, 0), word(c, 1), word(c, 2)])
+        }
+        let entries = rows(loads)
+            .map(|[host, prefill, memory]| Entry {
+                host,
+                prefill,
+                memory,
             })
             .collect();
-        let arrivals = arrivals
-            .chunks_exact(ENTRY)
-            .map(|c| Arrivals {
-                host: word(c, 0),
-                milli: word(c, 1),
-                at_ms: word(c, 2),
-            })
+        let arrivals = rows(arrivals)
+            .map(|[host, milli, at_ms]| Arrivals { host, milli, at_ms })
             .collect();
         let mut table = LoadTable { entries, arrivals };
         table.normalise();

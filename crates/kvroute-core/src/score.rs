@@ -9,7 +9,9 @@
 //! ```text
 //! cost = (pending + uncached * (1 + w)) / prefillTokensPerS
 //!      + memorySeconds * max(0, (use - memoryKnee) / (1 - memoryKnee))^2
+//!      + arrivalDelayWeight * arrivals * p^2 / 2
 //! w    = recomputeWeight * min(1, use / recomputeFullKv)   (0 for a cold request)
+//! p    = uncached / prefillTokensPerS
 //! ```
 //!
 //! - `pending`: prefill ahead of the request, the larger of the engine's
@@ -43,7 +45,23 @@
 //!   continues no conversation, no gateway has said where its key went)
 //!   computes nothing a second time anywhere: its weight is 0, and its
 //!   home's credit (`coldHomeShare`) is an assumption about where the
-//!   key's later requests go, not a cache it would duplicate.
+//!   key's later requests go, not a cache it would duplicate;
+//! - `arrivals`: the replica's recent arrival rate, in requests per
+//!   second, of requests that continue a conversation: those sent there
+//!   by this gateway, decayed over `arrivalWindowMs`
+//!   ([`crate::load::LoadTable::arrival_rate`]), plus the other gateways'
+//!   (`peerArrivalsPerS`, from a collector that reads several gateways).
+//!   Such a request is bound to the replica that holds its history, and
+//!   waits behind any prefill running there (an engine runs the prefill
+//!   chunks of admitted requests before it admits new ones): during `p`
+//!   seconds of prefill, `arrivals x p` of them arrive and wait `p / 2` on
+//!   average. A request that starts a conversation is free to go where no
+//!   prefill is pending, so it is not counted. A long new prompt then goes
+//!   where few conversations return. In the fleet simulation's agent
+//!   family (long-lived tool loops; docs/fleet-state.md, "Arrivals behind
+//!   a prefill"), without this term every slow request beyond the
+//!   unavoidable first turns was a turn waiting behind another loop's
+//!   first prompt on its replica.
 //!
 //! Locality therefore yields when a warm replica's predicted cost exceeds a
 //! cold one's (its queue outweighs the prefill the cache saves), not at a

@@ -358,9 +358,9 @@ enum Layout {
     /// gateway's load report (the ingest listener's answer, with
     /// `?placed=1`) and gives each gateway the sum of the *others'*
     /// pending prefill per replica (`peerPendingTokens`, which the filter
-    /// drains at `prefillTokensPerS` from the host's scrape time) and
-    /// their recent key placements (`placed`) (kvroute-collector,
-    /// push.rs).
+    /// drains at `prefillTokensPerS` from the host's scrape time) and of
+    /// their recent arrivals (`peerArrivalsPerS`), and their recent key
+    /// placements (`placed`) (kvroute-collector, push.rs).
     Collector,
     /// [`ALONE`]: neither.
     Alone,
@@ -498,8 +498,8 @@ impl Router for Kvroute {
     fn on_readings(&mut self, gw: usize, readings: &[Reading], taken_s: f64, now_s: f64) {
         self.seq += 1;
         let taken_ms = self.now_ms(taken_s);
-        // The other gateways' pending prefill per replica, as the real
-        // collector gets it: each gateway's load report (the ingest
+        // The other gateways' pending prefill and arrivals per replica, as
+        // the real collector gets them: each gateway's load report (the ingest
         // listener's answer), read at the push, summed by address. A
         // collector that pushes to one gateway reads none.
         let others = self.gateways.len() > 1;
