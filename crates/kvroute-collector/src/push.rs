@@ -179,6 +179,17 @@ impl LoadBoard {
 }
 
 impl LoadBoard {
+    /// Whether `me`'s last load report said it counts arrivals (and so
+    /// reads `peerArrivalsPerS`; an older gateway rejects a snapshot that
+    /// has the field).
+    pub fn counts_arrivals(&self, me: &str) -> bool {
+        let slots = self.lock();
+        slots
+            .get(me)
+            .and_then(|s| s.load.as_ref())
+            .is_some_and(|(_, r)| r.arrival_window_ms.is_some())
+    }
+
     /// The other gateways' recent placements ([`placed`]), their
     /// ages counted to `now_ms`, for a gateway whose own last report had
     /// the field (it reads them); `None` for one that does not.
@@ -209,19 +220,21 @@ pub struct PeerLoad {
     pub arrivals_per_s: f64,
 }
 
-/// `snap` with every host's `peerPendingTokens` and `peerArrivalsPerS`
-/// from `others` (0 where no other gateway has any), the rate bounded as
-/// the snapshot's check requires.
-pub fn with_peers(snap: &Snapshot, others: &HashMap<String, PeerLoad>) -> Snapshot {
+/// `snap` with every host's `peerPendingTokens` from `others` (0 where no
+/// other gateway has any), and `peerArrivalsPerS` likewise for a gateway
+/// that reads it (`arrivals`), bounded as the snapshot's check requires.
+pub fn with_peers(snap: &Snapshot, others: &HashMap<String, PeerLoad>, arrivals: bool) -> Snapshot {
     let mut out = snap.clone();
     for h in &mut out.hosts {
         let peer = others.get(&h.address).copied().unwrap_or_default();
         h.peer_pending_tokens = Some(peer.pending);
         let rate = peer.arrivals_per_s;
-        h.peer_arrivals_per_s = Some(if rate.is_finite() {
-            rate.clamp(0.0, MAX_ARRIVALS_PER_S)
-        } else {
-            0.0
+        h.peer_arrivals_per_s = arrivals.then(|| {
+            if rate.is_finite() {
+                rate.clamp(0.0, MAX_ARRIVALS_PER_S)
+            } else {
+                MAX_ARRIVALS_PER_S
+            }
         });
     }
     out
@@ -431,7 +444,11 @@ fn run(
                     (None, None) => Arc::clone(&payload.body),
                     (others, placed) => {
                         let mut snap = match others {
-                            Some(others) => with_peers(&payload.snapshot, &others),
+                            Some(others) => with_peers(
+                                &payload.snapshot,
+                                &others,
+                                p.board.counts_arrivals(&gateway.base),
+                            ),
                             None => (*payload.snapshot).clone(),
                         };
                         snap.placed = placed.unwrap_or_default();
@@ -594,6 +611,7 @@ mod tests {
                 })
                 .collect(),
             placed: None,
+            arrival_window_ms: Some(10_000),
         }
     }
 
@@ -655,6 +673,31 @@ mod tests {
         );
         let o = b.others("g1", 10_000).unwrap();
         assert_eq!((o["a:1"].pending, o.get("b:1")), (101, None));
+        // Each read says the gateway counts arrivals; g1 gets the others'.
+        assert!(b.counts_arrivals("g1"));
+        let snap = Snapshot::from_json(
+            br#"{"version":1,"seq":1,"collector":"c","takenAtMs":0,"hosts":[{"address":"10.0.0.1:1","ready":true,"scrapedAtMs":0}]}"#,
+        )
+        .unwrap();
+        let peers = HashMap::from([(
+            "10.0.0.1:1".to_owned(),
+            PeerLoad {
+                pending: 4,
+                arrivals_per_s: 0.5,
+            },
+        )]);
+        let h = &with_peers(&snap, &peers, true).hosts[0];
+        assert_eq!(
+            (h.peer_pending_tokens, h.peer_arrivals_per_s),
+            (Some(4), Some(0.5))
+        );
+        // A gateway that did not say so (an older one) gets no rate: its
+        // snapshot check would reject the field.
+        let h = &with_peers(&snap, &peers, false).hosts[0];
+        assert_eq!(
+            (h.peer_pending_tokens, h.peer_arrivals_per_s),
+            (Some(4), None)
+        );
         // Gateway 2's read ages out; a failed read clears gateway 1's.
         let o = b.others("g0", 11_500).unwrap();
         assert_eq!(o["a:1"].pending, 5);

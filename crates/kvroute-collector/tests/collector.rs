@@ -337,7 +337,7 @@ fn gateway_with_load(load: Arc<Mutex<String>>) -> FakeServer {
 /// that held, and a thousandth of it in recent arrivals per second.
 fn load_body(address: SocketAddr, prefill: u64) -> String {
     format!(
-        r#"{{"hosts":[{{"address":"{address}","prefillPendingTokens":{prefill},"memoryTokens":{},"arrivalsPerS":{}}}]}}"#,
+        r#"{{"hosts":[{{"address":"{address}","prefillPendingTokens":{prefill},"memoryTokens":{},"arrivalsPerS":{}}}],"arrivalWindowMs":10000}}"#,
         prefill * 2,
         prefill as f64 / 1000.0
     )

@@ -1030,7 +1030,7 @@ impl RawConfig {
             fleet,
             ingest,
             hosts: HostSet::new(self.hosts),
-            load_key: format!("{prefix}.load.v2"),
+            load_key: format!("{prefix}.load.v3"),
             shared_data_prefix: prefix.clone(),
             destination_header: self.destination_header,
             session_headers: self.session_headers,
@@ -1166,7 +1166,7 @@ mod tests {
         assert_eq!(c.affinity_blocks, 16);
         assert_eq!(c.bytes_per_token, 4);
         assert_eq!(c.max_body_bytes, 1 << 20);
-        assert_eq!(c.load_key, "kvroute.load.v2");
+        assert_eq!(c.load_key, "kvroute.load.v3");
         assert!(!c.explain_header);
         assert_eq!(c.role, Role::Router);
         assert_eq!(c.fleet.stale_after_ms, 2000);

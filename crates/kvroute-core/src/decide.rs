@@ -532,8 +532,10 @@ struct Replica {
     capacity: Option<u64>,
     /// The snapshot's KV utilisation (0 without current engine data).
     kv: f64,
-    /// Requests per second this gateway sent it lately
-    /// (`arrivalWindowMs`, [`LoadTable::arrival_rate`]).
+    /// Requests that continue a conversation, per second, sent it lately
+    /// (`arrivalWindowMs`): this gateway's ([`LoadTable::arrival_rate`]),
+    /// plus the other gateways' (`peerArrivalsPerS`) where its data is
+    /// current.
     arrivals: f64,
 }
 
@@ -607,10 +609,10 @@ fn observed(
         };
         let st = &host.state;
         let capacity = st.kv_capacity_tokens.filter(|&c| c > 0);
-        // This gateway's recent arrivals there, plus the other gateways'
-        // as the collector read them (`peerArrivalsPerS`).
-        let arrivals = table.arrival_rate(id.id, now_ms, f.arrival_window_ms)
-            + st.peer_arrivals_per_s.unwrap_or(0.0);
+        // This gateway's recent arrivals there; the other gateways' as the
+        // collector read them (`peerArrivalsPerS`) are added below, for
+        // current data only (the figure is not aged).
+        let arrivals = table.arrival_rate(id.id, now_ms, f.arrival_window_ms);
         // Stale metrics say nothing reliable about load: such a replica is
         // judged on the gateway's own figures, as without a snapshot (only
         // its capacity, which does not change, is still used), and Envoy's
@@ -648,7 +650,7 @@ fn observed(
             memory: engine_memory.unwrap_or(0).max(gw.memory),
             capacity,
             kv: st.kv_utilization.clamp(0.0, 1.0),
-            arrivals,
+            arrivals: arrivals + st.peer_arrivals_per_s.unwrap_or(0.0),
         });
     }
     (replicas, degraded)
@@ -2555,8 +2557,6 @@ mod equivalence {
         }
     }
 
-    /// A decision on gateway `a` (its shared data `a`), without a
-    /// snapshot, at time 1000.
     /// A conversation's later turns come back to the replica that holds it
     /// and wait behind any prefill sent there: a new conversation's long
     /// first prompt goes where fewer of them arrive
@@ -2610,6 +2610,8 @@ mod equivalence {
         assert!((rate(&d) - 0.1).abs() < 1e-9, "{}", rate(&d));
     }
 
+    /// A decision on gateway `a` (its shared data `a`), without a
+    /// snapshot, at time 1000.
     fn on_gateway_a(c: &Config, a: &MemorySharedData, f: &Facts) -> Decision {
         let m = MemoryMetrics::default();
         route(c, a, &m, &mut IndexCache::default(), Ok(f), None, 1000, 0)

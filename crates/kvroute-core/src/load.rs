@@ -28,9 +28,12 @@
 //! arrivals once they have decayed away, so the value stays as small as
 //! the busy part of the fleet. Hosts are keyed by id, not position, so a
 //! config change that reorders the host list keeps everyone's load.
-//! (`KVL2`, the same without the count and the arrivals, is still read, as
-//! a table without arrivals; `KVL1` held prefill and decode tokens
-//! instead, under the key `load.v1`, no longer read.)
+//! The key is `load.v3`: a plugin of the previous version (`KVL2`, the
+//! same without the count and the arrivals, under `load.v2`) running
+//! beside this one during a reload keeps its own table rather than taking
+//! this one for corrupt and replacing it. `KVL2` is still decoded, as a
+//! table without arrivals. (`KVL1` held prefill and decode tokens, under
+//! `load.v1`.)
 //!
 //! Entries are kept sorted by host id, so that a decision, which reads one
 //! entry per candidate replica, merges the table with its candidate list in
@@ -58,8 +61,9 @@ const MAGIC: &[u8; 4] = b"KVL3";
 /// The previous encoding: load entries only.
 const MAGIC_V2: &[u8; 4] = b"KVL2";
 const ENTRY: usize = 24;
-/// An arrival count decayed over this many windows is gone (e^-30 of any
-/// count a table can hold is below one thousandth).
+/// An arrival count decayed over this many windows is gone (e^-30 is
+/// 1e-13: below one thousandth for any count under 1e10 requests a
+/// window, far above any replica's).
 const ARRIVALS_KEPT_WINDOWS: u64 = 30;
 
 /// One host's in-flight tokens.
@@ -221,10 +225,12 @@ impl LoadTable {
         match self.arrivals.binary_search_by_key(&host, |a| a.host) {
             Ok(i) => {
                 if let Some(a) = self.arrivals.get_mut(i) {
+                    // A clock behind the count's time restarts it there
+                    // (undecayed), so it cannot grow without decaying.
                     *a = Arrivals {
                         host,
                         milli: counted(a),
-                        at_ms: now_ms.max(a.at_ms),
+                        at_ms: now_ms,
                     };
                 }
             }
@@ -344,7 +350,8 @@ impl LoadTable {
 /// "memoryTokens": 9000, "arrivalsPerS": 1.5}]}`, `arrivalsPerS` being the
 /// recent arrival rate ([`LoadTable::arrival_rate`]; absent for a host
 /// sent nothing lately). Replicas neither busy nor sent anything lately
-/// are left out. Asked with
+/// are left out. `"arrivalWindowMs": 10000` says the gateway counts
+/// arrivals (and reads `peerArrivalsPerS`). Asked with
 /// `?placed=1` ([`crate::ingest::LOAD_PLACED_QUERY`]) it also carries
 /// `"placed": [{"key": "00c0ffee00c0ffee", "address": "10.0.0.11:8000",
 /// "ageMs": 120}]`, the gateway's recent placements.
@@ -357,6 +364,12 @@ pub struct LoadReport {
     /// absent from an older one, which gets none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placed: Option<Vec<Placement>>,
+    /// The window over which this gateway counts arrivals
+    /// (`fleet.arrivalWindowMs`): present from a gateway that counts them
+    /// and reads `peerArrivalsPerS` in a snapshot (a collector gives that
+    /// field to no other gateway, whose snapshot check would reject it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arrival_window_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -401,6 +414,7 @@ impl LoadReport {
         LoadReport {
             hosts,
             placed: None,
+            arrival_window_ms: Some(window_ms),
         }
     }
 
@@ -422,6 +436,16 @@ impl LoadReport {
             .filter(|&n| n > placed::RING)
         {
             return Err(format!("{n} placements, at most {}", placed::RING));
+        }
+        let max = crate::fleet::MAX_ARRIVALS_PER_S;
+        if let Some(h) = r.hosts.iter().find(|h| {
+            h.arrivals_per_s
+                .is_some_and(|v| !(v.is_finite() && (0.0..=max).contains(&v)))
+        }) {
+            return Err(format!(
+                "{}: arrivalsPerS must be a number from 0 to {max}",
+                h.address
+            ));
         }
         Ok(r)
     }
@@ -646,6 +670,16 @@ mod tests {
         assert_eq!(LoadReport::from_json(&r.to_json()), Ok(r));
         assert!(LoadReport::from_json(br#"{"hosts":[{"address":"a"}]}"#).is_err());
         assert!(LoadReport::from_json(b"nope").is_err());
+        let rate = |v: &str| {
+            format!(
+                r#"{{"hosts":[{{"address":"a","prefillPendingTokens":1,"memoryTokens":1,"arrivalsPerS":{v}}}]}}"#
+            )
+        };
+        assert!(LoadReport::from_json(rate("1.5").as_bytes()).is_ok());
+        for bad in ["-1", "1e300"] {
+            let e = LoadReport::from_json(rate(bad).as_bytes()).unwrap_err();
+            assert!(e.contains("arrivalsPerS"), "{bad}: {e}");
+        }
         let many = format!(
             r#"{{"hosts":[{}]}}"#,
             vec![r#"{"address":"a","prefillPendingTokens":1,"memoryTokens":1}"#; MAX_HOSTS + 1]
@@ -750,6 +784,16 @@ mod tests {
         t.release(c);
         assert!(t.entries().is_empty());
         assert!(t.arrival_rate(5, 1000, w) > 0.0);
+        // A clock that ran back restarts the count there, undecayed: it
+        // then decays from that time (it does not keep growing undecayed).
+        let mut back = t.clone();
+        back.arrived(5, 500, w);
+        assert!((back.arrival_rate(5, 500, w) - 0.3).abs() < 1e-9);
+        let decayed = back.arrival_rate(5, 500 + w, w);
+        assert!(
+            (decayed - 0.3 / std::f64::consts::E).abs() < 1e-6,
+            "{decayed}"
+        );
         // Counts decayed over 30 windows are forgotten at the next arrival.
         t.arrived(9, 1000 + 30 * w, w);
         assert_eq!(t.arrival_rate(5, 1000 + 30 * w, w), 0.0);
