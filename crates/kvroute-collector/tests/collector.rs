@@ -394,11 +394,13 @@ fn several_gateways_get_each_others_pending_prefill() {
         Some(0),
         "a replica A has nothing on"
     );
-    // A's recent arrivals come along: 3 a second on e1, none on e2.
-    let arrivals = |addr| host(&b_last, addr).peer_arrivals_per_s;
+    // B has not said it counts arrivals (its load cannot be read): it
+    // gets no peer rate, as an older gateway, whose snapshot check would
+    // reject the field.
+    let arrivals = |s: &Snapshot, addr| host(s, addr).peer_arrivals_per_s;
     assert_eq!(
-        (arrivals(e1.addr), arrivals(e2.addr)),
-        (Some(3.0), Some(0.0))
+        (arrivals(&b_last, e1.addr), arrivals(&b_last, e2.addr)),
+        (None, None)
     );
     assert!(snapshots(&gw_a)
         .iter()
@@ -418,6 +420,16 @@ fn several_gateways_get_each_others_pending_prefill() {
             |s| peer(s, e2.addr) == Some(700) && peer(s, e1.addr) == Some(0)
         )),
         "no push to A with B's 700 tokens"
+    );
+    // B's report says it counts arrivals: B now gets A's, 3 a second on
+    // e1 and none on e2.
+    assert!(
+        wait_until(Duration::from_secs(5), || snapshots(&gw_b)
+            .iter()
+            .any(|s| s.hosts.len() == 2
+                && (arrivals(s, e1.addr), arrivals(s, e2.addr))
+                    == (Some(3.0), Some(0.0)))),
+        "no push to B with A's arrivals"
     );
     // A answers garbage: counted, and B's snapshots lose the field once
     // A's last good read has aged out.
