@@ -465,3 +465,120 @@ fn decode_runs_change_nothing() {
     }
     assert!(preempted, "no case ran short of KV memory");
 }
+
+/// A chat request as the simulation hands it to a router: `turns` are the
+/// messages after a shared system prompt, the prompt is their text.
+struct Chat {
+    body: Vec<u8>,
+    messages: Vec<(&'static str, String)>,
+    prompt: Vec<u8>,
+}
+
+impl Chat {
+    fn new(turns: &[(&'static str, String)]) -> Chat {
+        let system = "You are a careful assistant. ".repeat(300);
+        let messages: Vec<(&'static str, String)> = std::iter::once(("system", system))
+            .chain(turns.iter().cloned())
+            .collect();
+        let json: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|(role, content)| serde_json::json!({"role": role, "content": content}))
+            .collect();
+        let body = serde_json::to_vec(&serde_json::json!({
+            "model": "m", "messages": json, "stream": true, "max_tokens": 16,
+        }))
+        .unwrap();
+        let prompt = messages
+            .iter()
+            .flat_map(|(_, c)| c.bytes())
+            .collect::<Vec<u8>>();
+        Chat {
+            body,
+            messages,
+            prompt,
+        }
+    }
+
+    fn request<'a>(&'a self, session: &'a str) -> routers::Request<'a> {
+        routers::Request {
+            body: &self.body,
+            session: Some(session),
+            messages: &self.messages,
+            prompt: &self.prompt,
+            model: "m",
+            prompt_tokens: self.prompt.len() / 4,
+            max_tokens: 16,
+            objective: None,
+        }
+    }
+}
+
+/// A gateway that gets no request still takes in the other gateways'
+/// placements, as the filter's tick decodes each pushed snapshot: a
+/// conversation that gateway 0 started off its key's busy home (its first
+/// prompt shares a system prompt with the request that keeps the home
+/// busy, so the index knows part of it there) continues where it started
+/// when its next turn reaches gateway 1 after a quiet spell longer than a
+/// placement stays in the pushed snapshots (`placed::REPORT_MS`).
+#[test]
+fn a_quiet_gateway_learns_where_the_other_gateways_placed_keys() {
+    use kvroute_sim::engine::sched::Reading;
+    let setup = routers::Setup::new(4, 2, 3);
+    let idle = vec![
+        Reading {
+            kv_blocks: 10_000,
+            ..Reading::default()
+        };
+        4
+    ];
+    let first = |text: &str| Chat::new(&[("user", text.to_owned())]);
+    // Two sessions whose keys have the same home: a fresh gateway sends
+    // a session's first request there.
+    let home = |session: &str| {
+        let mut r = routers::build("kvroute", &setup).unwrap();
+        r.on_readings(0, &idle, 0.0, 0.0);
+        let c = first("hello");
+        r.route(0, &c.request(session), 0.1, &[]).unwrap().engine
+    };
+    let names: Vec<String> = (0..64).map(|i| format!("session-{i}")).collect();
+    let (a, b) = names
+        .iter()
+        .enumerate()
+        .find_map(|(i, a)| {
+            let b = names.get(i + 1..)?.iter().find(|b| home(b) == home(a))?;
+            Some((a.clone(), b.clone()))
+        })
+        .expect("two of 64 sessions share a home on 4 replicas");
+    let h = home(&a);
+
+    let mut r = routers::build("kvroute", &setup).unwrap();
+    r.on_readings(0, &idle, 0.0, 0.0);
+    r.on_readings(1, &idle, 0.0, 0.0);
+    // A's long first prompt keeps the home busy; B's goes elsewhere.
+    let long = first(&"a long document to read ".repeat(8000));
+    let ta = r.route(0, &long.request(&a), 0.3, &[]).unwrap();
+    assert_eq!(ta.engine, h);
+    let opening = "please help with this ".repeat(100);
+    let fb = first(&opening);
+    let tb = r.route(0, &fb.request(&b), 0.31, &[]).unwrap();
+    assert_ne!(tb.engine, h, "B's first request leaves the busy home");
+    r.finished_failed(0, &ta, 0.4);
+    r.finished_failed(0, &tb, 0.4);
+    // Pushes every 250 ms for 7 s; no request reaches gateway 1.
+    for k in 2..30 {
+        let t = f64::from(k) * 0.25;
+        r.on_readings(0, &idle, t, t);
+        r.on_readings(1, &idle, t, t);
+    }
+    let next = Chat::new(&[
+        ("user", opening),
+        ("assistant", "Sure.".to_owned()),
+        ("user", "Go on.".to_owned()),
+    ]);
+    let t = r.route(1, &next.request(&b), 7.6, &[]).unwrap();
+    assert_eq!(
+        t.engine, tb.engine,
+        "gateway 1 sends B's next turn where B started ({:?})",
+        t.reason
+    );
+}

@@ -103,8 +103,11 @@
 //! home by cost (its cost carries no `recomputeWeight`: a cold request
 //! computes nothing a second time), and the gateway remembers where it
 //! placed the key ([`crate::placed`]: an entry in the prefix index under
-//! the key, salted, written by the cold request and kept current by every
-//! later request of the key). While the entry lives (`prefixTtlMs`), that replica stands
+//! the key, salted, written by the key's first request that continues no
+//! conversation, cold or not, and kept current by every later request of
+//! the key; a first request whose system prompt the index knows elsewhere
+//! may leave the home by cost too, and the other gateways, which know
+//! nothing of its own text, need its replica all the same). While the entry lives (`prefixTtlMs`), that replica stands
 //! for the key's rendezvous top, and a request of the key is not cold.
 //! The gateway also reports the placement in its load, and a collector
 //! that reads several gateways hands it to the others, which write it
@@ -1092,7 +1095,6 @@ pub fn route(
             } else {
                 (None, None)
             };
-            let cold = hits.is_empty() && !facts.continues;
             let decide = |table: &LoadTable| {
                 pick_keyed(
                     cfg, facts, affinity, subset, moved, fleet, table, &hits, now_ms,
@@ -1123,11 +1125,14 @@ pub fn route(
             };
             if let Some(h) = d.pick.as_ref().and_then(|p| hosts.get(p.primary)) {
                 index.record_after(store, cache, &facts.blocks, h.id, now_ms, &seen);
-                // A cold request of a key nobody placed starts the memory;
-                // a request of a remembered key sent there keeps it current
+                // A request that starts a conversation, of a key nobody
+                // placed, starts the memory, cold or not: its prompt may
+                // share a system prompt the index knows elsewhere, and the
+                // other gateways need the key's replica all the same. A
+                // request of a remembered key sent there keeps it current
                 // (a spill elsewhere does not move it: the index follows
                 // the prompt).
-                let remember = (cold && moved.is_none()) || moved == Some(h.id);
+                let remember = (!facts.continues && moved.is_none()) || moved == Some(h.id);
                 if let Some(seen) = key_seen.filter(|_| remember) {
                     let wrote = index.record_after(store, cache, &key_block, h.id, now_ms, &seen);
                     // The other gateways learn where the key went, and
@@ -2555,6 +2560,31 @@ mod equivalence {
             let target = &c.hosts.get(expected).unwrap().addr;
             assert_eq!(&d.targets[0], target, "told {told}: {d:?}");
         }
+    }
+
+    /// A new conversation's first request is remembered and reported even
+    /// when the index knows part of its prompt (a system prompt another
+    /// key sent elsewhere): the other gateways, which know nothing of its
+    /// own text, must learn where its key went.
+    #[test]
+    fn a_first_request_sharing_a_known_prompt_is_reported() {
+        let c = config(8);
+        let a = MemorySharedData::default();
+        let mut first = request(13, 1000, 16);
+        let mut other = request(14, 1000, 16);
+        // The two share their first eight blocks.
+        other.blocks[..8].copy_from_slice(&first.blocks[..8]);
+        first.shared_blocks = 8;
+        on_gateway_a(&c, &a, &other);
+        let index = Index::of(&c.fleet);
+        assert!(!index.lookup(&a, &first.blocks, 1000).is_empty());
+        let d = on_gateway_a(&c, &a, &first);
+        let to = &c.hosts.get(d.pick.unwrap().primary).unwrap().addr;
+        let report = placed::recent(&a, &c.fleet.placed_key, &[&c.hosts], 1200);
+        let key = format!("{:016x}", first.affinity.key());
+        let mine: Vec<_> = report.iter().filter(|p| p.key == key).collect();
+        assert_eq!(mine.len(), 1, "{report:?}");
+        assert_eq!(&mine[0].address, to);
     }
 
     /// A conversation's later turns come back to the replica that holds it

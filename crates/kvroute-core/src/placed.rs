@@ -4,7 +4,9 @@
 //!
 //! With `fleet.coldHomeShare` below `homeCachedShare` a cold request (the
 //! prefix index knows none of its blocks, it continues no conversation) may
-//! leave its key's rendezvous home by cost ([`crate::decide`]). The gateway
+//! leave its key's rendezvous home by cost ([`crate::decide`]); so may a
+//! first request whose system prompt the index knows. For any request
+//! that continues no conversation, of a key no gateway placed, the gateway
 //! records the replica in its prefix index under the key, salted
 //! ([`key_block`]), and that replica stands for the key's home while the
 //! entry lives. Other gateways must learn it too: their indexes know none
@@ -24,8 +26,11 @@
 //!    gateways' placements in the snapshot it pushes to each
 //!    (`placed`, at most [`MAX_SNAPSHOT`]), and only to a gateway whose
 //!    own report had the field (one that reads it);
-//! 4. the ingest writes each into the prefix index ([`apply`]), unless the
-//!    index already remembers the key at a later time.
+//! 4. each router worker, when it decodes a new snapshot (on its 100 ms
+//!    tick, or on a request), writes each into the prefix index
+//!    ([`apply`]), unless the index already remembers the key at a later
+//!    time. The tick matters: a gateway that gets no request for longer
+//!    than [`REPORT_MS`] still learns every placement.
 //!
 //! A placement reaches the other gateways within a push interval or two
 //! (250 ms by default) and is delivered several times while it is younger

@@ -569,8 +569,17 @@ impl Router for Kvroute {
                 })
                 .collect(),
         };
-        if let Some(g) = self.gateways.get(gw) {
+        if let Some(g) = self.gateways.get_mut(gw) {
             let _ = ingest::store(&self.cfg, &g.store, &snap.to_json(), now_ms);
+            // Each worker's tick (every 100 ms, src/lib.rs `TICK`) decodes
+            // a new snapshot off the request path, and so writes the other
+            // gateways' placements into the prefix index even when no
+            // request comes. Modelled at the push: a request would refresh
+            // anyway, and a placement stays in the pushed snapshots for
+            // `placed::REPORT_MS`.
+            for w in &mut g.workers {
+                let _ = w.fleet.refresh(&self.cfg, &g.store);
+            }
         }
     }
 
