@@ -2640,6 +2640,49 @@ mod equivalence {
         assert!((rate(&d) - 0.1).abs() < 1e-9, "{}", rate(&d));
     }
 
+    /// The other gateways' arrivals (`peerArrivalsPerS`) count on a
+    /// replica with current data only: the figure is not aged, so on a
+    /// replica whose data is stale (a collector that stopped) only this
+    /// gateway's own count is used.
+    #[test]
+    fn peer_arrivals_count_only_on_current_data() {
+        let c = config(2);
+        let mut hosts: Vec<_> = c
+            .hosts
+            .iter()
+            .map(|h| crate::fleet::HostState {
+                peer_arrivals_per_s: Some(2.0),
+                ..idle_host(&h.addr, true, 10_000)
+            })
+            .collect();
+        // The second replica was last scraped 10 s before the snapshot,
+        // past `staleAfterMs`.
+        hosts[1].scraped_at_ms = 0;
+        let snap = crate::fleet::Snapshot {
+            placed: Vec::new(),
+            version: 1,
+            seq: 1,
+            collector: "c".into(),
+            taken_at_ms: 10_000,
+            hosts,
+        };
+        let view = FleetView::new(snap, 10_000);
+        let mut table = LoadTable::default();
+        for h in c.hosts.iter() {
+            // One arrival of this gateway's on each: 0.1 /s over 10 s.
+            table.arrived(h.id, 10_000, c.fleet.arrival_window_ms);
+        }
+        let (replicas, degraded) = observed(&c, &request(1, 100, 4), &view, &table, 10_000);
+        assert!(degraded);
+        let rate = |i: usize| replicas.iter().find(|r| r.index == i).unwrap().arrivals;
+        assert!(
+            (rate(0) - 2.1).abs() < 1e-9,
+            "current: own and peers', {}",
+            rate(0)
+        );
+        assert!((rate(1) - 0.1).abs() < 1e-9, "stale: own only, {}", rate(1));
+    }
+
     /// A decision on gateway `a` (its shared data `a`), without a
     /// snapshot, at time 1000.
     fn on_gateway_a(c: &Config, a: &MemorySharedData, f: &Facts) -> Decision {
