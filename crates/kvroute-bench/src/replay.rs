@@ -97,7 +97,7 @@ struct ChatRequest<'a> {
 /// The streamed chat request the client sends for `history` ((role,
 /// content) pairs), usage included: the real-time client and the fleet
 /// simulation send the same bytes.
-pub(crate) fn chat_body(
+pub fn chat_body(
     model: &str,
     history: &[(&'static str, String)],
     max_tokens: u32,

@@ -467,7 +467,7 @@ fn decode_runs_change_nothing() {
 }
 
 /// A chat request as the simulation hands it to a router: `turns` are the
-/// messages after a shared system prompt, the prompt is their text.
+/// messages after a shared system prompt.
 struct Chat {
     body: Vec<u8>,
     messages: Vec<(&'static str, String)>,
@@ -480,18 +480,9 @@ impl Chat {
         let messages: Vec<(&'static str, String)> = std::iter::once(("system", system))
             .chain(turns.iter().cloned())
             .collect();
-        let json: Vec<serde_json::Value> = messages
-            .iter()
-            .map(|(role, content)| serde_json::json!({"role": role, "content": content}))
-            .collect();
-        let body = serde_json::to_vec(&serde_json::json!({
-            "model": "m", "messages": json, "stream": true, "max_tokens": 16,
-        }))
-        .unwrap();
-        let prompt = messages
-            .iter()
-            .flat_map(|(_, c)| c.bytes())
-            .collect::<Vec<u8>>();
+        // The bytes the simulation sends and the engine's template.
+        let body = kvroute_bench::replay::chat_body("m", &messages, 16).unwrap();
+        let prompt = kvroute_sim::engine::chat_prompt(&messages);
         Chat {
             body,
             messages,
