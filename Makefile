@@ -346,7 +346,7 @@ soak: venv build bench-build
 # flags, e.g. FUZZ_ARGS=-runs=10000000.
 CARGO_FUZZ_VERSION := 0.13.2
 CARGO_FUZZ     := $(TOOLS)/bin/cargo-fuzz
-FUZZ_TARGETS   := request_body fleet_snapshot plugin_config engine_metrics
+FUZZ_TARGETS   := request_body fleet_snapshot plugin_config engine_metrics gateway_state
 FUZZ_SECONDS   ?= 300
 FUZZ_SANITIZER ?= none
 FUZZ_ARGS      ?=

@@ -253,7 +253,11 @@ impl LoadTable {
             .ok()
             .and_then(|i| self.arrivals.get(i))
             .map_or(0.0, |a| {
-                a.count(now_ms, window_ms) * 1000.0 / window_ms.max(1) as f64
+                let rate = a.count(now_ms, window_ms) * 1000.0 / window_ms.max(1) as f64;
+                // A stored count no gateway could reach (a corrupt or
+                // foreign value): at most what a snapshot or a collector
+                // accepts, so the report stays readable.
+                rate.min(crate::fleet::MAX_ARRIVALS_PER_S)
             })
     }
 
@@ -824,6 +828,28 @@ mod tests {
         assert_eq!(LoadTable::decode(b"KVL3"), Err(DecodeError));
         assert_eq!(LoadTable::decode(b"KVL3\x00\x00"), Err(DecodeError));
         assert!(LoadTable::decode(&with(1, 2 * ENTRY)).is_ok());
+    }
+
+    /// A stored arrival count beyond any real traffic (a corrupt or
+    /// foreign value) gives a rate no higher than a snapshot or a
+    /// collector accepts, so the gateway's load report stays readable
+    /// (found by the `gateway_state` fuzz target).
+    #[test]
+    fn an_absurd_arrival_count_still_makes_a_readable_report() {
+        let hosts = HostSet::new(["127.0.0.1:8001".to_string()]);
+        let id = hosts.get(0).map(|h| h.id).unwrap();
+        let now = 1_764_400_000_000;
+        let mut b = MAGIC.to_vec();
+        b.extend_from_slice(&1u32.to_le_bytes());
+        for w in [id, 1, 1, id, u64::MAX, now] {
+            b.extend_from_slice(&w.to_le_bytes());
+        }
+        let t = LoadTable::decode(&b).unwrap();
+        let rate = t.arrival_rate(id, now, 10_000);
+        assert_eq!(rate, crate::fleet::MAX_ARRIVALS_PER_S);
+        let report = LoadReport::of(&t, &[&hosts], now, 10_000);
+        assert_eq!(report.hosts[0].arrivals_per_s, Some(rate));
+        assert_eq!(LoadReport::from_json(&report.to_json()), Ok(report));
     }
 
     #[test]
