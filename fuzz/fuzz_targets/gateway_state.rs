@@ -27,7 +27,7 @@ use std::sync::LazyLock;
 use kvroute_core::decide;
 use kvroute_core::fleet::MAX_HOSTS;
 use kvroute_core::host::{MemoryMetrics, MemorySharedData, SharedData};
-use kvroute_core::index::IndexCache;
+use kvroute_core::index::{Index, IndexCache};
 use kvroute_core::load::{self, LoadReport, LoadTable};
 use kvroute_core::placed;
 use kvroute_core::{analyze, Config, Endpoint};
@@ -93,13 +93,12 @@ fuzz_target!(|bytes: &[u8]| {
     // An index entry is read only if it names the block it is looked up
     // for: each slot gets the block's hash, then the input past its first
     // eight bytes (the owners). So does the key memory's slot.
-    let slots = cfg.fleet.prefix_index_slots.max(1);
+    let index = Index::of(&cfg.fleet);
     let key_block = placed::key_block(facts.affinity.key());
     for b in facts.blocks.iter().copied().chain([key_block]) {
         let mut value = b.to_le_bytes().to_vec();
         value.extend_from_slice(bytes.get(8..).unwrap_or_default());
-        let key = format!("{}{:x}", cfg.fleet.index_key_prefix, b % slots);
-        assert!(store.set(&key, &value, None).is_ok());
+        assert!(store.set(&index.key(b), &value, None).is_ok());
     }
     let metrics = MemoryMetrics::default();
     let mut cache = IndexCache::default();

@@ -335,7 +335,8 @@ impl Index<'_> {
         block % self.slots.max(1)
     }
 
-    fn key(&self, block: u64) -> String {
+    /// The shared-data key of the slot that holds `block`'s entry.
+    pub fn key(&self, block: u64) -> String {
         format!("{}{:x}", self.key_prefix, self.slot(block))
     }
 
