@@ -995,7 +995,7 @@ impl Ingest {
         }
         let mut report = LoadReport::of(&table, &known, now_ms(), cfg.fleet.arrival_window_ms);
         if with_placed {
-            let placed = placed::recent(&HostSharedData, &cfg.fleet.placed_key, &known, now_ms());
+            let placed = placed::report(&HostSharedData, &cfg.fleet.placed_key, &known, now_ms());
             report.placed = Some(placed);
         }
         let body = report.to_json();

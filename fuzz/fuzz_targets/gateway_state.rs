@@ -18,7 +18,8 @@
 //! its bounds and survives a JSON round trip; a decoded table survives an
 //! encode/decode round trip, and the report a gateway makes of it is one
 //! a collector accepts; whatever shared data holds, the request gets 1 to
-//! `fallbacks + 1` targets, and the ring stays within `placed::RING`.
+//! `fallbacks + 1` targets, the ring stays within `placed::RING`, and a note
+//! after a report loses at most the one entry it pushes out.
 
 #![no_main]
 
@@ -121,6 +122,9 @@ fuzz_target!(|bytes: &[u8]| {
     let table = load::read(&store, &cfg.load_key);
     let _ = LoadReport::of(&table, &[&cfg.hosts], NOW_MS, window).to_json();
     placed::note(&store, &cfg.fleet.placed_key, 7, 7, NOW_MS);
-    let recent = placed::recent(&store, &cfg.fleet.placed_key, &[&cfg.hosts], NOW_MS);
-    assert!(recent.len() <= placed::RING);
+    let reported = placed::report(&store, &cfg.fleet.placed_key, &[&cfg.hosts], NOW_MS);
+    assert!(reported.len() <= placed::RING);
+    // The ring is now within RING entries and was just read: one more
+    // note pushes out at most one entry.
+    assert!(placed::note(&store, &cfg.fleet.placed_key, 8, 7, NOW_MS) <= 1);
 });

@@ -408,3 +408,7 @@ def test_a_key_placed_off_home_follows_to_the_other_gateway(stack_factory, wasm_
         print(f"\n[gateways] key {p['key']}: a placed it on {p['address']} (busy {sorted(busy)}); "
               f"b sent its next request to {follow.served_by}")
         assert follow.served_by == p["address"], follow.describe()
+    # Every placement was counted; none left a's ring (256 entries) before
+    # a report carried it.
+    assert metric(a, "kvroute_placements_noted_total") >= len(served)
+    assert metric(a, "kvroute_placements_lost_total") == 0

@@ -1143,7 +1143,10 @@ pub fn route(
                     // whose index knows none of the key's blocks, would
                     // take its next request for cold and place it by cost.
                     if wrote > 0 {
-                        placed::note(store, &cfg.fleet.placed_key, affinity.key(), h.id, now_ms);
+                        let key = affinity.key();
+                        let lost = placed::note(store, &cfg.fleet.placed_key, key, h.id, now_ms);
+                        metrics.count(Counter::PlacementsNoted, 1);
+                        metrics.count(Counter::PlacementsLost, lost);
                     }
                 }
             }
@@ -2560,6 +2563,30 @@ mod equivalence {
             let target = &c.hosts.get(expected).unwrap().addr;
             assert_eq!(&d.targets[0], target, "told {told}: {d:?}");
         }
+    }
+
+    /// Every placement written for the other gateways is counted, and so
+    /// is each one pushed out of the ring before a load report carried it.
+    #[test]
+    fn placements_no_report_carried_are_counted_lost() {
+        let c = config(8);
+        let a = MemorySharedData::default();
+        let m = MemoryMetrics::default();
+        let send = |k: u64, now: u64| {
+            let f = request((k + 1) << 20, 1000, 16);
+            route(&c, &a, &m, &mut IndexCache::default(), Ok(&f), None, now, 0)
+        };
+        send(0, 1000);
+        assert_eq!(m.counter(Counter::PlacementsNoted), 1);
+        placed::report(&a, &c.fleet.placed_key, &[&c.hosts], 1100);
+        let more = placed::RING as u64 + 3;
+        for k in 1..=more {
+            send(k, 1200 + k);
+        }
+        assert_eq!(m.counter(Counter::PlacementsNoted), 1 + more);
+        // Four pushed out: the first, which the report carried, and three
+        // noted since.
+        assert_eq!(m.counter(Counter::PlacementsLost), 3);
     }
 
     /// A new conversation's first request is remembered and reported even

@@ -114,10 +114,17 @@ pub enum Counter {
     PrefixShortfalls,
     /// Prefix-index entries removed after a shortfall.
     PrefixEntriesDropped,
+    /// Placements written to the gateway's ring for the other gateways
+    /// ([`crate::placed`]).
+    PlacementsNoted,
+    /// Placements the other gateways can no longer learn of: pushed out of
+    /// the ring before any load report carried them, or never written
+    /// (counted once a collector reads the ring).
+    PlacementsLost,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 23] = [
+    pub const ALL: [Counter; 25] = [
         Counter::DecisionSession,
         Counter::DecisionPrefix,
         Counter::DecisionSpill,
@@ -141,6 +148,8 @@ impl Counter {
         Counter::PrefixAnswers,
         Counter::PrefixShortfalls,
         Counter::PrefixEntriesDropped,
+        Counter::PlacementsNoted,
+        Counter::PlacementsLost,
     ];
 
     pub fn name(self) -> &'static str {
@@ -168,6 +177,8 @@ impl Counter {
             Counter::PrefixAnswers => "kvroute_prefix_answers_total",
             Counter::PrefixShortfalls => "kvroute_prefix_shortfalls_total",
             Counter::PrefixEntriesDropped => "kvroute_prefix_entries_dropped_total",
+            Counter::PlacementsNoted => "kvroute_placements_noted_total",
+            Counter::PlacementsLost => "kvroute_placements_lost_total",
         }
     }
 }

@@ -36,6 +36,13 @@
 //! (250 ms by default) and is delivered several times while it is younger
 //! than [`REPORT_MS`]; applying it again changes nothing.
 //!
+//! The ring holds [`RING`] placements: at a 250 ms read interval, about
+//! 1,000 new keys a second per gateway. The gateway records when a report
+//! last carried its ring ([`report`]), and [`note`] says how many
+//! placements left the ring unread, which the filter counts
+//! (`kvroute_placements_lost_total`, beside `kvroute_placements_noted_total`;
+//! fleet simulation, docs/fleet-state.md "Key memory").
+//!
 //! Ring encoding (little endian): the magic `KVP1`, then 24 bytes per
 //! entry, oldest first: key (u64), host id (u64), time (u64, gateway ms).
 
@@ -113,13 +120,38 @@ fn encode(entries: &[(u64, u64, u64)]) -> Vec<u8> {
     out
 }
 
+/// The shared-data key under which a gateway keeps the time of the last
+/// load report that carried its ring ([`report`]).
+fn reported_key(ring_key: &str) -> String {
+    format!("{ring_key}.reported")
+}
+
+/// When a load report last carried the ring, gateway ms; `None`: never
+/// (no collector reads this gateway's placements).
+fn reported_at(store: &dyn SharedData, ring_key: &str) -> Option<u64> {
+    match store.get(&reported_key(ring_key)) {
+        Ok((Some(v), _)) => v
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes),
+        _ => None,
+    }
+}
+
 /// Appends a placement to the gateway's ring under `ring_key`, dropping the
 /// oldest beyond [`RING`]. A hint: after [`MAX_CAS_TRIES`] lost races, or
 /// if the host refuses, it is dropped.
-pub fn note(store: &dyn SharedData, ring_key: &str, key: u64, host: u64, now_ms: u64) {
+///
+/// Returns how many placements the other gateways can no longer learn of:
+/// those pushed out of the ring that no load report has carried (made after
+/// the last report, [`report`]), and this one if it was not written.
+/// Counted only once some collector has read the ring: a gateway no
+/// collector reads for placements loses nothing it could have shared.
+pub fn note(store: &dyn SharedData, ring_key: &str, key: u64, host: u64, now_ms: u64) -> u64 {
+    let reported = reported_at(store, ring_key);
     for _ in 0..MAX_CAS_TRIES {
         let Ok((value, cas)) = store.get(ring_key) else {
-            return;
+            return u64::from(reported.is_some());
         };
         let mut entries = value.as_deref().map(decode).unwrap_or_default();
         entries.push((key, host, now_ms));
@@ -130,9 +162,30 @@ pub fn note(store: &dyn SharedData, ring_key: &str, key: u64, host: u64, now_ms:
             cas,
         ) {
             Err(SetError::CasMismatch) => continue,
-            _ => return,
+            Ok(()) => {
+                let Some(r) = reported else {
+                    return 0;
+                };
+                let unread = entries.iter().take(drop).filter(|&&(_, _, at)| at > r);
+                return unread.count() as u64;
+            }
+            Err(_) => return u64::from(reported.is_some()),
         }
     }
+    u64::from(reported.is_some())
+}
+
+/// [`recent`], for a load report that carries the ring to a collector: it
+/// also records that the ring was read at `now_ms` (see [`note`]).
+pub fn report(
+    store: &dyn SharedData,
+    ring_key: &str,
+    known: &[&HostSet],
+    now_ms: u64,
+) -> Vec<Placement> {
+    let placed = recent(store, ring_key, known, now_ms);
+    let _ = store.set(&reported_key(ring_key), &now_ms.to_le_bytes(), None);
+    placed
 }
 
 /// The ring's placements younger than [`REPORT_MS`] whose host is in one
@@ -242,6 +295,40 @@ mod tests {
         assert!(recent(&store, "ring", &[&hosts], now).is_empty());
         note(&store, "ring", 1, a, now);
         assert_eq!(recent(&store, "ring", &[&hosts], now).len(), 1);
+    }
+
+    #[test]
+    fn placements_pushed_out_before_a_report_carried_them_are_lost() {
+        let store = MemorySharedData::default();
+        let hosts = HostSet::new(["10.0.0.1:80".to_owned()]);
+        let a = host_id("10.0.0.1:80");
+        // No collector reads the ring: nothing is lost, however full.
+        let lost: u64 = (0..2 * RING as u64)
+            .map(|k| note(&store, "ring", k, a, 1000 + k))
+            .sum();
+        assert_eq!(lost, 0);
+        // A report at 3000 carried everything noted until then.
+        let carried = report(&store, "ring", &[&hosts], 3000);
+        assert_eq!(carried.len(), RING);
+        // RING more notes push out the carried ones: none lost.
+        let lost: u64 = (0..RING as u64)
+            .map(|k| note(&store, "ring", 10_000 + k, a, 3001 + k))
+            .sum();
+        assert_eq!(lost, 0);
+        // Ten more before the next report push out ten never carried.
+        let lost: u64 = (0..10)
+            .map(|k| note(&store, "ring", 20_000 + k, a, 3600 + k))
+            .sum();
+        assert_eq!(lost, 10);
+        // After another report, the ring's entries are carried again.
+        report(&store, "ring", &[&hosts], 3700);
+        assert_eq!(note(&store, "ring", 30_000, a, 3701), 0);
+        // `recent` alone (a read that is no report) records nothing.
+        recent(&store, "ring", &[&hosts], 9000);
+        let lost: u64 = (0..RING as u64)
+            .map(|k| note(&store, "ring", 40_000 + k, a, 9001 + k))
+            .sum();
+        assert_eq!(lost, 1, "the one noted after the last report");
     }
 
     #[test]

@@ -539,7 +539,7 @@ impl Router for Kvroute {
                 .enumerate()
                 .filter(|&(i, _)| peer_placements && i != gw)
                 .flat_map(|(_, g)| {
-                    placed::recent(&g.store, &self.cfg.fleet.placed_key, &[&self.fleet], now_ms)
+                    placed::report(&g.store, &self.cfg.fleet.placed_key, &[&self.fleet], now_ms)
                 }),
         );
         let snap = Snapshot {
