@@ -60,8 +60,17 @@ fuzz_target!(|bytes: &[u8]| {
     if let Ok(r) = LoadReport::from_json(bytes) {
         assert!(r.hosts.len() <= MAX_HOSTS);
         assert!(r.placed.as_ref().map_or(0, Vec::len) <= placed::RING);
-        let again = LoadReport::from_json(&r.to_json());
-        assert_eq!(again.as_ref().ok(), Some(&r), "report round trip");
+        // A round trip keeps everything; a rate may move by an ulp or two
+        // (serde_json's default float parsing is not exact for every
+        // value, found by this target).
+        let mut again = LoadReport::from_json(&r.to_json()).expect("report round trip");
+        for (a, b) in again.hosts.iter_mut().zip(&r.hosts) {
+            if let (Some(x), Some(y)) = (a.arrivals_per_s, b.arrivals_per_s) {
+                assert!((x - y).abs() <= 1e-12 * y.abs().max(1.0), "rate {x} vs {y}");
+                a.arrivals_per_s = b.arrivals_per_s;
+            }
+        }
+        assert_eq!(again, r, "report round trip");
     }
 
     // The load table as shared data holds it.
