@@ -510,6 +510,9 @@ def parse_args(argv):
     p.add_argument("--trace-key", choices=["none", "first-block"], default="first-block")
     p.add_argument("--workload-arg", action="append", default=[],
                    help="extra kvroute-bench workload flag (repeatable), e.g. --workload-arg=--sessions=100")
+    p.add_argument("--no-session-header", action="store_true",
+                   help="send no session header (most OpenAI clients send none): kvroute keys each conversation by "
+                        "its text to the first question, ring hashing picks at random")
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--time-scale", type=float, default=10.0, help="modelled seconds per real second")
     p.add_argument("--seed", type=int, default=1)
@@ -636,7 +639,7 @@ def main(argv=None) -> int:
                     str(BENCH), "replay", *wl, "--router", label, "--setup", router.setup, "--target", router.url,
                     "--gateways", str(k or 1),
                     "--engines", ",".join(fleet.urls), "--model", MODEL, "--time-scale", str(args.time_scale),
-                    "--session-header", SESSION_HEADER, "--out", str(out),
+                    "--session-header", "" if args.no_session_header else SESSION_HEADER, "--out", str(out),
                 ]).returncode
                 if rc != 0:
                     raise BenchError(f"kvroute-bench replay exited with {rc}")

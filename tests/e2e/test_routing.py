@@ -126,17 +126,35 @@ def test_conversations_without_key_spread_over_replicas(stack):
     assert len(served) >= 3, f"40 distinct conversations used only {dict(served)}"
 
 
-def test_shared_long_prefix_colocates(stack):
-    """8 KB shared system prompt, different short questions, no session key."""
-    system = filler("shared-system-prompt", 8192)
+def test_shared_long_prefix_colocates_while_rare(stack):
+    """8 KB system prompts, different short questions, no session key. Each
+    conversation is keyed by its text up to its first question, and knows
+    the system prompt as its shared prefix (the same rule as for sessions,
+    `prefixAffinityShare`): a prompt that carries a small share of a
+    worker's requests takes the prompt's key (one replica, where it is
+    cached); once it carries more than a quarter of one replica's share,
+    each conversation keeps its own key and they spread."""
+    hot = filler("shared-system-prompt", 8192)
+    late_served, late_keys = Counter(), set()
+    for q in range(80):
+        body = chat_body(system=hot, user_text=f"question {q}: what is {q} squared?")
+        r = send(stack.gateway_url, CHAT, json_body=body)
+        check_routed(r, stack, "prefix")
+        if q >= 60:
+            late_served[r.served_by] += 1
+            late_keys.add(r.key)
+    # By then the prompt is most of each worker's recent requests.
+    assert len(late_keys) == 20, late_keys
+    assert len(late_served) >= 2, f"popular-prompt conversations all on {dict(late_served)}"
+    rare = filler("rare-system-prompt", 8192)
     served, keys = Counter(), set()
-    for q in range(20):
-        body = chat_body(system=system, user_text=f"question {q}: what is {q} squared?")
+    for q in range(3):
+        body = chat_body(system=rare, user_text=f"question {q}: what is {q} cubed?")
         r = send(stack.gateway_url, CHAT, json_body=body)
         check_routed(r, stack, "prefix")
         served[r.served_by] += 1
         keys.add(r.key)
-    assert len(served) == 1, f"shared-prefix requests spread over {dict(served)}"
+    assert len(served) == 1, f"rare shared-prefix requests spread over {dict(served)}"
     assert len(keys) == 1, keys
 
 

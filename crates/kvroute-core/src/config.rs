@@ -321,8 +321,9 @@ pub mod defaults {
     pub fn max_blocks() -> u32 {
         1024
     }
-    /// 16 blocks (4 KiB, about 1k tokens): a shared prefix this long
-    /// co-locates requests even when their first questions differ.
+    /// 16 blocks (4 KiB, about 1k tokens): a system part this long is a
+    /// shared prefix, which co-locates requests whose first questions
+    /// differ while it is rare (`prefixAffinityShare`).
     pub fn affinity_blocks() -> u32 {
         16
     }
@@ -446,14 +447,17 @@ pub mod defaults {
     pub fn recompute_full_kv() -> f64 {
         0.3
     }
-    /// A session's long shared prefix (its system part alone is
-    /// `affinityBlocks` long) becomes the session's affinity key when the
+    /// A long shared prefix (a request's system part alone is
+    /// `affinityBlocks` long) becomes the affinity key of the request, in
+    /// place of its session or (without one) its conversation, when the
     /// prefix carries less than this share of one replica's requests (its
     /// share of the worker's recent requests times the replicas) and its
-    /// requests are mostly that prefix (`prefixAffinityFirst`): its sessions
-    /// then share one home, where the prefix is cached, instead of one home
-    /// each. 0: sessions always keep their own key. Fleet simulation, 16
-    /// replicas: see docs/fleet-state.md ("The affinity key per prefix").
+    /// requests are mostly that prefix (`prefixAffinityFirst`): its
+    /// conversations then share one home, where the prefix is cached,
+    /// instead of one home each. 0: every request keeps its session's or
+    /// conversation's key. Fleet simulation, 16 replicas: see
+    /// docs/fleet-state.md ("The affinity key per prefix", "Conversations
+    /// without a session").
     pub fn prefix_affinity_share() -> f64 {
         0.25
     }

@@ -8,24 +8,33 @@
 //!    `prompt_cache_key`, else `user` / `metadata.user_id`. A session is the
 //!    client telling us which requests share a conversation, and it survives
 //!    edits to the history that would change every prefix hash;
-//! 2. else a **prefix key**: the chained digest of the canonical stream up to
-//!    the end of the first `user` message, cut at `affinityBlocks` blocks.
-//!    Every turn of a conversation repeats the system prompt and the first
-//!    question, so all its turns share this key, while conversations that ask
-//!    different first questions get different keys and spread. Requests that
-//!    share a prefix longer than `affinityBlocks` blocks (a long system
-//!    prompt, a shared document) share the key and co-locate, which is where
-//!    their prefix is cached. The cut keeps the key from depending on how long
-//!    a first question is once the shared part alone is long enough.
+//! 2. else a **conversation key** (a [`Affinity::Prefix`]): the chained
+//!    digest of the canonical stream up to the end of the first `user`
+//!    message. Every turn of a conversation repeats the system prompt and
+//!    the first question, so all its turns share this key, while
+//!    conversations that ask different first questions get different keys
+//!    and spread. Where the part before the first user message is shorter
+//!    than `affinityBlocks` blocks, the digest is cut at that many blocks
+//!    (a long first question does not change the key).
+//!
+//! A request whose system part alone is `affinityBlocks` long (a long
+//! system prompt, a shared document), with a session or without, also
+//! carries that prefix's key ([`Facts::shared_prefix`]), which takes the
+//! place of the session or conversation key when the prefix is rare (see
+//! below). Until 2026-12-05 a request without a session always took the
+//! shared prefix's key: every conversation over a popular system prompt
+//! then had one home. In the fleet simulation without session headers
+//! (16 replicas, seeds 1-3), the chat family's TTFT p95 was 324 ms at one
+//! gateway and 1011 at four; with the conversation key, 196 and 212, as
+//! with session headers (docs/fleet-state.md, "Conversations without a
+//! session").
 //!
 //! Both are seeded by the model name, so one conversation's requests to two
 //! models are placed independently.
 //!
-//! A session's request whose system part alone is `affinityBlocks` long
-//! (a tenant's system prompt, a shared document) also carries that
-//! prefix's key ([`Facts::shared_prefix`]). [`route`] makes it the
-//! affinity key instead of the session when the prefix is rare and most of
-//! its requests: its share of the worker's recent requests times the
+//! [`route`] makes a request's shared prefix the
+//! affinity key instead of its session or conversation when the prefix is
+//! rare and most of its requests: its share of the worker's recent requests times the
 //! replicas is under `prefixAffinityShare` (default 0.25: a quarter of one
 //! replica's requests) and, on average over those requests, at least
 //! `prefixAffinityFirst` (0.5) of the prompt comes before the first user
@@ -258,9 +267,9 @@ pub struct Facts {
     pub non_text_parts: u64,
     /// The prompt continues a conversation ([`request::Body::continues`]).
     pub continues: bool,
-    /// With a session key: the prefix key, when the prompt's first
-    /// `affinityBlocks` blocks come before the end of its first user
-    /// message (a long shared prefix).
+    /// The prefix key, when the prompt's first `affinityBlocks` blocks come
+    /// before the end of its first user message (a long shared prefix);
+    /// the affinity key is then the session's or the conversation's.
     pub shared_prefix: Option<SharedPrefix>,
     /// For a request that continues a conversation: the whole blocks of
     /// its previous request's prompt (the canonical stream before the last
@@ -304,6 +313,8 @@ struct Sink {
     hasher: BlockHasher,
     cut: u64,
     key: Option<u64>,
+    /// The digest at the anchor (the end of the first user message).
+    conversation: Option<u64>,
     /// Canonical bytes before the first user message.
     first_user_at: Option<u64>,
     /// Canonical bytes before the last answer.
@@ -344,9 +355,9 @@ impl CanonicalSink for Sink {
     }
 
     fn anchor(&mut self) {
-        if self.key.is_none() {
-            self.key = Some(self.hasher.digest());
-        }
+        let at = self.hasher.digest();
+        self.key.get_or_insert(at);
+        self.conversation.get_or_insert(at);
     }
 
     fn token_ids(&mut self, ids: &[u32]) {
@@ -402,6 +413,7 @@ pub fn analyze(
         // would wrap usize to 0 (found by reading for the fuzz campaign).
         cut: (cfg.affinity_blocks as u64).saturating_mul(cfg.block_bytes as u64),
         key: None,
+        conversation: None,
         first_user_at: None,
         answer_at: None,
         text_bytes: 0,
@@ -415,13 +427,19 @@ pub fn analyze(
     // comes after it, did not take it): the shared part alone is
     // `affinityBlocks` long.
     let long_prefix = sink.key.is_some() && sink.first_user_at.is_none_or(|at| at >= sink.cut);
-    let affinity = match session {
-        Some(s) => Affinity::Session(xxh64(s.as_bytes(), seed ^ SESSION_SALT)),
-        None => Affinity::Prefix(sink.key.unwrap_or_else(|| sink.hasher.digest())),
+    // Without a session, a conversation whose shared part alone is
+    // `affinityBlocks` long is keyed by its bytes up to the anchor, as a
+    // session would be: the shared part is then its `shared_prefix`, which
+    // places it only when rare ([`route`]).
+    let conversation = sink.conversation.filter(|_| long_prefix);
+    let affinity = match (session, conversation) {
+        (Some(s), _) => Affinity::Session(xxh64(s.as_bytes(), seed ^ SESSION_SALT)),
+        (None, Some(c)) => Affinity::Prefix(c),
+        (None, None) => Affinity::Prefix(sink.key.unwrap_or_else(|| sink.hasher.digest())),
     };
     let total = sink.hasher.total_bytes().max(1);
-    let shared_prefix = match affinity {
-        Affinity::Session(_) if long_prefix => sink.key.map(|k| SharedPrefix {
+    let shared_prefix = match (session, conversation) {
+        (Some(_), _) | (None, Some(_)) if long_prefix => sink.key.map(|k| SharedPrefix {
             key: k,
             share: sink.first_user_at.unwrap_or(total).min(total) as f64 / total as f64,
         }),
@@ -1076,7 +1094,14 @@ pub fn route(
             // (up to `index::OWNERS`); otherwise only the last one sent each
             // block, which follows a conversation where it was last served
             // (docs/fleet-state.md, "Several owners per index entry").
-            let by_prefix = subset.is_some() || matches!(affinity, Affinity::Prefix(_));
+            // A request keyed by its conversation (no session, a long shared
+            // part) is placed as a session's is, unless its shared part is
+            // the key.
+            let by_prefix = subset.is_some()
+                || match affinity {
+                    Affinity::Prefix(k) => facts.shared_prefix.is_none_or(|p| p.key == k),
+                    Affinity::Session(_) => false,
+                };
             let owners = if by_prefix { index::OWNERS } else { 1 };
             let (hits, seen) = index.lookup_seen(
                 store,
@@ -1440,11 +1465,16 @@ mod tests {
         let q = facts(&long_question, Some("s1")).shared_prefix.unwrap();
         assert_eq!(q.key, p.key);
         assert!((0.45..0.55).contains(&q.share), "{q:?}");
-        // Without a session the prefix key is the affinity key already.
-        assert_eq!(facts(&tenant, None).shared_prefix, None);
+        // Without a session the request is keyed by its conversation (its
+        // bytes to the end of the first question) and knows the same
+        // shared prefix.
+        let keyless = facts(&tenant, None);
+        assert_eq!(keyless.shared_prefix.map(|q| q.key), Some(p.key));
+        assert_ne!(keyless.affinity, Affinity::Prefix(p.key));
         // A short system prompt: the key would hold the first question.
         let short = body("be brief".into(), "x".repeat(8400));
         assert_eq!(facts(&short, Some("s1")).shared_prefix, None);
+        assert_eq!(facts(&short, None).shared_prefix, None);
     }
 
     /// Sessions over a long system prompt that carries a small share of
@@ -1452,6 +1482,17 @@ mod tests {
     /// of it, each session keeps its own.
     #[test]
     fn a_rare_long_prefix_is_the_affinity_key_of_its_sessions() {
+        rare_long_prefix_places(true);
+    }
+
+    /// The same without a session: each conversation is keyed by its first
+    /// question, and the prompt's traffic decides as for sessions.
+    #[test]
+    fn a_rare_long_prefix_is_the_affinity_key_of_keyless_conversations() {
+        rare_long_prefix_places(false);
+    }
+
+    fn rare_long_prefix_places(sessions: bool) {
         let c = Config::from_json(
             br#"{"hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004"],
                 "fleet":{"prefixAffinityShare":0.5,"prefixAffinityFirst":0.5}}"#,
@@ -1461,10 +1502,12 @@ mod tests {
         let mut cache = IndexCache::default();
         let mut send = |system: &str, session: &str| {
             let body = chat(
-                json!([{"role":"system","content": system.repeat(1200)},{"role":"user","content":"hi"}]),
+                json!([{"role":"system","content": system.repeat(1200)},
+                       {"role":"user","content": format!("hi from {session}")}]),
                 json!({}),
             );
-            let f = analyze(&c, Endpoint::ChatCompletions, Some(session), &body).unwrap();
+            let header = sessions.then_some(session);
+            let f = analyze(&c, Endpoint::ChatCompletions, header, &body).unwrap();
             let d = route(&c, &store, &m, &mut cache, Ok(&f), None, 0, 0);
             release(&c, &store, &m, d.charge.unwrap());
             (d.reason, d.key)
@@ -1476,8 +1519,14 @@ mod tests {
         assert_eq!(a.0, Reason::Prefix, "{a:?}");
         assert_eq!(a, b, "both sessions on the prompt's key");
         let (c1, c2) = (send("hot ", "hot-x"), send("hot ", "hot-y"));
-        assert_eq!(c1.0, Reason::Session, "{c1:?}");
-        assert_ne!(c1.1, c2.1, "each session its own key");
+        let own = if sessions {
+            Reason::Session
+        } else {
+            Reason::Prefix
+        };
+        assert_eq!(c1.0, own, "{c1:?}");
+        assert_ne!(c1.1, c2.1, "each conversation its own key");
+        assert_ne!(c1.1, a.1, "not the rare prompt's key");
         // At 0 every session keeps its own key.
         let d = Config::from_json(
             br#"{"hosts":["127.0.0.1:8001","127.0.0.1:8002"],"fleet":{"prefixAffinityShare":0}}"#,
@@ -1487,9 +1536,16 @@ mod tests {
             json!([{"role":"system","content": "rare ".repeat(1200)},{"role":"user","content":"hi"}]),
             json!({}),
         );
-        let f = analyze(&d, Endpoint::ChatCompletions, Some("rare-c"), &body).unwrap();
+        let f = analyze(
+            &d,
+            Endpoint::ChatCompletions,
+            sessions.then_some("rare-c"),
+            &body,
+        )
+        .unwrap();
         let dec = route_fresh(&d, &store, &m, &f);
-        assert_eq!(dec.reason, Reason::Session);
+        assert_eq!(dec.reason, own);
+        assert_ne!(dec.key, a.1);
     }
 
     /// Eight configured hosts, with `fleet.prefixSubsetFirst` as given.
@@ -1641,8 +1697,11 @@ mod tests {
         assert_ne!(a.affinity, c.affinity);
     }
 
+    /// Without a session, conversations over one long system prompt are
+    /// keyed each by its first question, and all share the prompt's key as
+    /// their shared prefix; every turn of one conversation has its key.
     #[test]
-    fn long_shared_prefix_shares_the_key() {
+    fn long_shared_prefix_is_shared_and_each_conversation_keyed() {
         let doc = "lorem ipsum ".repeat(1000); // 12 KB > 16 blocks of 256 bytes
         let a = chat(
             json!([{"role":"system","content":doc},{"role":"user","content":"q1"}]),
@@ -1652,8 +1711,18 @@ mod tests {
             json!([{"role":"system","content":doc},{"role":"user","content":"q2"}]),
             json!({}),
         );
-        let (fa, fb) = (facts(&a, None), facts(&b, None));
-        assert_eq!(fa.affinity, fb.affinity);
+        let a2 = chat(
+            json!([{"role":"system","content":doc},{"role":"user","content":"q1"},
+                   {"role":"assistant","content":"an answer"},{"role":"user","content":"and then?"}]),
+            json!({}),
+        );
+        let (fa, fb, fa2) = (facts(&a, None), facts(&b, None), facts(&a2, None));
+        assert_ne!(fa.affinity, fb.affinity);
+        assert_eq!(fa.affinity, fa2.affinity, "one key per conversation");
+        let shared = |f: &Facts| f.shared_prefix.map(|p| p.key);
+        assert!(shared(&fa).is_some());
+        assert_eq!(shared(&fa), shared(&fb));
+        assert_eq!(shared(&fa), shared(&fa2));
         assert_eq!(fa.blocks[..40], fb.blocks[..40]);
         // A different model seeds different hashes.
         let c = serde_json::to_vec(&json!({"model":"other","messages":[{"role":"system","content":doc},{"role":"user","content":"q1"}]})).unwrap();

@@ -113,8 +113,8 @@ fn vectors() -> Vec<String> {
 const EXPECTED: &[&str] = &[
     "seed llama dcb63eabb0e1361a",
     "rank ad2ad1ac61c2919a",
-    "0 Prefix key=b5ca1a0e346a7efa blocks=35 first=6304106facd3dfa6 last=a7ef49bb6d66653c in=2254 out=64 idle8=0[6, 1] busy8=spill:6[1, 3] idle256=215",
-    "1 Prefix key=b5ca1a0e346a7efa blocks=35 first=6304106facd3dfa6 last=a7ef49bb6d66653c in=2254 out=1024 idle8=0[6, 1] busy8=spill:6[1, 3] idle256=215",
+    "0 Prefix key=fecd1884ad59a685 blocks=35 first=6304106facd3dfa6 last=a7ef49bb6d66653c in=2254 out=64 idle8=7[0, 4] busy8=spill:0[4, 1] idle256=138",
+    "1 Prefix key=3fe673ede1f8c4c4 blocks=35 first=6304106facd3dfa6 last=a7ef49bb6d66653c in=2254 out=1024 idle8=4[6, 5] busy8=spill:6[5, 3] idle256=189",
     "2 Prefix key=355dc2fb96c9b8ba blocks=1 first=19ea1468f86a4a3e last=19ea1468f86a4a3e in=78 out=1024 idle8=4[5, 3] busy8=spill:5[3, 6] idle256=76",
     "3 Session key=38cfa3225de32298 blocks=0 first=0000000000000000 last=0000000000000000 in=2 out=1024 idle8=1[3, 7] busy8=spill:3[7, 6] idle256=165",
     "4 Session key=dcd116db7120ffcd blocks=0 first=0000000000000000 last=0000000000000000 in=5 out=1024 idle8=3[6, 0] busy8=spill:6[0, 7] idle256=69",
