@@ -35,7 +35,7 @@ CRD_TOOLS   := $(TOOLS)/crd
 
 .PHONY: all build wasm collector tools targets venv wasm-bindgen test test-native test-wasm test-e2e \
         lint fmt demo up bench bench-smoke bench-tools bench-build bench-decide bench-overhead clean oci oci-tool oci-tools collector-static collector-image crd-tools \
-        faults soak sim sim-smoke sim-hour sim-overload engines test-engines
+        faults soak sim sim-no-session sim-smoke sim-hour sim-overload engines test-engines
 
 all: build
 
@@ -285,6 +285,14 @@ sim: bench-build
 	$(BENCH_BIN) suite --out $(SIM_OUT) --docs docs/simulation.md --trace $(TRACE) \
 	  --replicas 16 --gateways 1,4 --seed $(SIM_SEEDS) --jobs 2 --scale 16,64,256,1024 --scale-duration 20 \
 	  --scale-routers round-robin,least-request,kvroute $(SIM_ARGS)
+
+# The same families with no session header on any request (most
+# OpenAI-style clients send none): kvroute keys each conversation by its
+# text to the first question (docs/fleet-state.md, "Conversations without
+# a session"). About 30 minutes; rewrites docs/simulation-no-session.md.
+sim-no-session: bench-build
+	$(BENCH_BIN) suite --out docs/simulation-no-session --docs docs/simulation-no-session.md --trace $(TRACE) \
+	  --replicas 16 --gateways 1,4 --seed $(SIM_SEEDS) --jobs 2 --no-session-header $(SIM_ARGS)
 
 # A few seconds of simulation as part of `make test`: two families through
 # every router on 4 replicas and 2 gateways, with the report's checks.

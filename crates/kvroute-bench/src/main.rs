@@ -99,7 +99,7 @@ struct SuiteArgs {
     #[arg(long)]
     out: PathBuf,
     /// Also write the Markdown here (e.g. docs/simulation.md; its plots are
-    /// referenced as simulation/*.svg, so put --out next to it).
+    /// referenced as <name of --out>/*.svg, so put --out next to it).
     #[arg(long)]
     docs: Option<PathBuf>,
     /// A Mooncake-format trace to include (its rate scaled to the fleet).
@@ -131,6 +131,10 @@ struct SuiteArgs {
     /// Reuse the runs whose report.json and timing.json are already under --out.
     #[arg(long)]
     resume: bool,
+    /// Send no session header: the setting of most OpenAI-style clients
+    /// (kvroute keys each conversation by its text to the first question).
+    #[arg(long)]
+    no_session_header: bool,
     /// Seeds of the fleet-size section: with several (`1,2,3`) every run is
     /// made once per seed and the tables give the median.
     #[arg(long, value_delimiter = ',', default_value = "1")]
@@ -849,6 +853,7 @@ fn run_suite(a: &SuiteArgs) -> Result<ExitCode, String> {
         only: a.only.clone(),
         kvroute_config: serde_json::from_str(&a.kvroute_config)
             .map_err(|e| format!("--kvroute-config: not JSON: {e}"))?,
+        session_header: !a.no_session_header,
     };
     let rows = kvroute_bench::suite::run(&o)?;
     println!(

@@ -58,6 +58,9 @@ pub struct SuiteOptions {
     pub only: Vec<String>,
     /// kvroute's plugin JSON without `hosts` (`{}`: its defaults).
     pub kvroute_config: serde_json::Value,
+    /// Send each session's key as the session header (false: no request
+    /// carries one, as from most OpenAI-style clients).
+    pub session_header: bool,
 }
 
 /// One run's row in the suite's tables.
@@ -114,7 +117,7 @@ impl Row {
     }
 }
 
-fn options(replicas: usize, gateways: usize, seed: u64) -> Options {
+fn options(replicas: usize, gateways: usize, seed: u64, session_header: bool) -> Options {
     Options {
         engines: replicas,
         gateways,
@@ -123,7 +126,7 @@ fn options(replicas: usize, gateways: usize, seed: u64) -> Options {
         engine: EngineConfig::default(),
         model: "meta-llama/Llama-3.1-8B-Instruct".to_owned(),
         seed,
-        session_header: true,
+        session_header,
         sample_s: 0.5,
         progress: false,
         records: false,
@@ -319,7 +322,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
             name,
             wl,
             &o.routers,
-            &options(o.replicas, k, seed),
+            &options(o.replicas, k, seed, o.session_header),
             &dir,
             true,
             o.resume,
@@ -381,7 +384,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
             &name,
             &wl,
             &o.scale_routers,
-            &options(n, 1, first_seed),
+            &options(n, 1, first_seed, o.session_header),
             &dir,
             n <= 64,
             o.resume,
@@ -592,6 +595,11 @@ fn plots(o: &SuiteOptions, rows: &[Row]) -> Result<(), String> {
 }
 
 fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
+    // The plots are in `out`, which sits next to the Markdown.
+    let plots = o.out.file_name().map_or_else(
+        || "simulation".to_owned(),
+        |n| n.to_string_lossy().into_owned(),
+    );
     let mut s = String::from("# Fleet simulation results\n\n");
     let _ = writeln!(
         s,
@@ -622,6 +630,14 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
          - requests are spread over the K gateway instances at random per request; one collector pushes \
          every 250 ms to every gateway.\n"
     );
+    if !o.session_header {
+        let _ = writeln!(
+            s,
+            "No request carries a session header (`--no-session-header`): kvroute keys each conversation \
+             by its text up to its first question, the Mooncake trace's requests have no key, and the \
+             ring-hash models pick at random.\n"
+        );
+    }
     let names = workload_names(rows);
     let _ = writeln!(
         s,
@@ -664,7 +680,7 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
         }
         let _ = writeln!(
             s,
-            "\n![p95 over the floor, K = {k}](simulation/p95-over-floor-k{k}.svg)\n"
+            "\n![p95 over the floor, K = {k}]({plots}/p95-over-floor-k{k}.svg)\n"
         );
     }
     let _ = writeln!(s, "## Hit rate per workload ({} replicas)\n", o.replicas);
@@ -697,7 +713,7 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
         }
         let _ = writeln!(s);
     }
-    let _ = writeln!(s, "![hit rate against K](simulation/hit-vs-gateways.svg)\n");
+    let _ = writeln!(s, "![hit rate against K]({plots}/hit-vs-gateways.svg)\n");
     scoreboard(&mut s, o, rows, &names);
     let _ = writeln!(s, "## Every run\n");
     let _ = writeln!(
@@ -764,7 +780,7 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
                 x.wall_s
             );
         }
-        let _ = writeln!(s, "\n![hit rate against fleet size](simulation/scale-hit.svg)\n\n![p95 against fleet size](simulation/scale-p95.svg)\n");
+        let _ = writeln!(s, "\n![hit rate against fleet size]({plots}/scale-hit.svg)\n\n![p95 against fleet size]({plots}/scale-p95.svg)\n");
     }
     s
 }

@@ -352,6 +352,7 @@ fn the_suite_runs_every_seed_and_scores_kvroute_per_seed() {
         resume: false,
         only: vec!["groups".to_owned()],
         kvroute_config: serde_json::json!({}),
+        session_header: true,
     };
     let rows = suite::run(&o).unwrap();
     // 1 workload x 2 K x 2 seeds x 2 routers.

@@ -502,7 +502,12 @@ fn placements_reach_the_other_gateways() {
         "{:?}",
         gw_a.paths()
     );
-    assert!(!posted(&gw_c).is_empty());
+    // C's pusher is a thread of its own: wait for its first snapshot too
+    // (asserted without waiting, this failed once on a loaded machine).
+    assert!(
+        wait_until(Duration::from_secs(5), || !posted(&gw_c).is_empty()),
+        "C got no snapshot"
+    );
     assert!(posted(&gw_c).iter().all(|s| s.placed.is_empty()));
     running.stop();
 }
