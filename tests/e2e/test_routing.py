@@ -134,12 +134,15 @@ def test_shared_long_prefix_colocates_while_rare(stack):
     worker's requests takes the prompt's key (one replica, where it is
     cached); once it carries more than a quarter of one replica's share,
     each conversation keeps its own key and they spread."""
+    def ask(system: str, question: str) -> harness.Reply:
+        r = send(stack.gateway_url, CHAT, json_body=chat_body(system=system, user_text=question))
+        check_routed(r, stack, "prefix")
+        return r
+
     hot = filler("shared-system-prompt", 8192)
     late_served, late_keys = Counter(), set()
     for q in range(80):
-        body = chat_body(system=hot, user_text=f"question {q}: what is {q} squared?")
-        r = send(stack.gateway_url, CHAT, json_body=body)
-        check_routed(r, stack, "prefix")
+        r = ask(hot, f"question {q}: what is {q} squared?")
         if q >= 60:
             late_served[r.served_by] += 1
             late_keys.add(r.key)
@@ -149,9 +152,7 @@ def test_shared_long_prefix_colocates_while_rare(stack):
     rare = filler("rare-system-prompt", 8192)
     served, keys = Counter(), set()
     for q in range(3):
-        body = chat_body(system=rare, user_text=f"question {q}: what is {q} cubed?")
-        r = send(stack.gateway_url, CHAT, json_body=body)
-        check_routed(r, stack, "prefix")
+        r = ask(rare, f"question {q}: what is {q} cubed?")
         served[r.served_by] += 1
         keys.add(r.key)
     assert len(served) == 1, f"rare shared-prefix requests spread over {dict(served)}"

@@ -149,9 +149,11 @@ fn reported_at(store: &dyn SharedData, ring_key: &str) -> Option<u64> {
 /// collector reads for placements loses nothing it could have shared.
 pub fn note(store: &dyn SharedData, ring_key: &str, key: u64, host: u64, now_ms: u64) -> u64 {
     let reported = reported_at(store, ring_key);
+    // This placement, if it is not written.
+    let unwritten = u64::from(reported.is_some());
     for _ in 0..MAX_CAS_TRIES {
         let Ok((value, cas)) = store.get(ring_key) else {
-            return u64::from(reported.is_some());
+            return unwritten;
         };
         let mut entries = value.as_deref().map(decode).unwrap_or_default();
         entries.push((key, host, now_ms));
@@ -169,10 +171,10 @@ pub fn note(store: &dyn SharedData, ring_key: &str, key: u64, host: u64, now_ms:
                 let unread = entries.iter().take(drop).filter(|&&(_, _, at)| at > r);
                 return unread.count() as u64;
             }
-            Err(_) => return u64::from(reported.is_some()),
+            Err(_) => return unwritten,
         }
     }
-    u64::from(reported.is_some())
+    unwritten
 }
 
 /// [`recent`], for a load report that carries the ring to a collector: it
