@@ -35,7 +35,7 @@ CRD_TOOLS   := $(TOOLS)/crd
 
 .PHONY: all build wasm collector tools targets venv wasm-bindgen test test-native test-wasm test-e2e \
         lint fmt demo up bench bench-smoke bench-tools bench-build bench-decide bench-overhead clean oci oci-tool oci-tools collector-static collector-image crd-tools \
-        faults soak sim sim-no-session sim-smoke sim-hour sim-overload engines test-engines
+        faults soak sim sim-no-session sim-bare sim-smoke sim-hour sim-overload engines test-engines
 
 all: build
 
@@ -293,6 +293,12 @@ sim: bench-build
 sim-no-session: bench-build
 	$(BENCH_BIN) suite --out docs/simulation-no-session --docs docs/simulation-no-session.md --trace $(TRACE) \
 	  --replicas 16 --gateways 1,4 --seed $(SIM_SEEDS) --jobs 2 --no-session-header $(SIM_ARGS)
+
+# The same suite with every conversation sent as one bare prompt and no
+# session header (docs/simulation-bare.md).
+sim-bare: bench-build
+	$(BENCH_BIN) suite --out docs/simulation-bare --docs docs/simulation-bare.md --trace $(TRACE) \
+	  --replicas 16 --gateways 1,4 --seed $(SIM_SEEDS) --jobs 2 --no-session-header --flat-prompt $(SIM_ARGS)
 
 # A few seconds of simulation as part of `make test`: two families through
 # every router on 4 replicas and 2 gateways, with the report's checks.

@@ -513,6 +513,9 @@ def parse_args(argv):
     p.add_argument("--no-session-header", action="store_true",
                    help="send no session header (most OpenAI clients send none): kvroute keys each conversation by "
                         "its text to the first question, ring hashing picks at random")
+    p.add_argument("--flat-prompt", action="store_true",
+                   help="send each conversation as one user message (its texts joined), as a bare prompt: only the "
+                        "bytes say where a shared system prompt ends")
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--time-scale", type=float, default=10.0, help="modelled seconds per real second")
     p.add_argument("--seed", type=int, default=1)
@@ -640,6 +643,7 @@ def main(argv=None) -> int:
                     "--gateways", str(k or 1),
                     "--engines", ",".join(fleet.urls), "--model", MODEL, "--time-scale", str(args.time_scale),
                     "--session-header", "" if args.no_session_header else SESSION_HEADER, "--out", str(out),
+                    *(["--flat-prompt"] if args.flat_prompt else []),
                 ]).returncode
                 if rc != 0:
                     raise BenchError(f"kvroute-bench replay exited with {rc}")

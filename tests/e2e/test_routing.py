@@ -159,6 +159,48 @@ def test_shared_long_prefix_colocates_while_rare(stack):
     assert len(keys) == 1, keys
 
 
+def test_bare_prompt_conversations_are_keyed_past_their_shared_prompt(stack):
+    """/v1/completions: each turn re-sends the whole conversation as one
+    prompt string, every conversation opens with the same 8 KB, and no
+    request carries a session. Nothing in the body says where the shared
+    part ends; the filter learns it from two conversations that differ
+    after it (docs/fleet-state.md, "Bare prompts"). Once the prompt is most
+    of the traffic, each conversation is keyed by its own text after it:
+    its turns keep one key and one replica, and conversations spread."""
+    shared = filler("bare-shared-prompt", 8192)
+
+    def turns(c: int, n: int) -> list[str]:
+        text = f"{shared}\n\nUser: conversation {c} asks " + filler(f"question-{c}", 400)
+        out = []
+        for t in range(n):
+            out.append(text)
+            text += "\n\nAssistant: " + filler(f"answer-{c}-{t}", 600) + f"\n\nUser: and then {t}?"
+        return out
+
+    def ask(prompt: str) -> harness.Reply:
+        body = {"model": "test-model", "prompt": prompt, "max_tokens": 32}
+        r = send(stack.gateway_url, "/v1/completions", json_body=body)
+        check_routed(r, stack, "prefix")
+        return r
+
+    # Every worker sees conversations differ after the prompt, and the
+    # prompt becomes most of its recent requests.
+    for c in range(60):
+        ask(turns(c, 1)[0])
+    served_by, keys = {}, {}
+    for c in range(100, 112):
+        replies = [ask(p) for p in turns(c, 4)]
+        served_by[c] = {r.served_by for r in replies}
+        keys[c] = {r.key for r in replies}
+    for c in served_by:
+        assert len(keys[c]) == 1, f"conversation {c} changed key between turns: {keys[c]}"
+        assert len(served_by[c]) == 1, f"conversation {c} moved between replicas: {served_by[c]}"
+    distinct = {k for ks in keys.values() for k in ks}
+    assert len(distinct) == 12, f"12 conversations share keys: {keys}"
+    replicas = Counter(next(iter(s)) for s in served_by.values())
+    assert len(replicas) >= 2, f"12 conversations over one shared prompt all on {dict(replicas)}"
+
+
 # ----------------------------------------------------------- bounded load
 
 

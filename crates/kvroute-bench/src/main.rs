@@ -135,6 +135,11 @@ struct SuiteArgs {
     /// (kvroute keys each conversation by its text to the first question).
     #[arg(long)]
     no_session_header: bool,
+    /// Send each conversation as one user message (its messages' texts
+    /// joined), as through a bare prompt: only the bytes say where a shared
+    /// system prompt ends.
+    #[arg(long)]
+    flat_prompt: bool,
     /// Seeds of the fleet-size section: with several (`1,2,3`) every run is
     /// made once per seed and the tables give the median.
     #[arg(long, value_delimiter = ',', default_value = "1")]
@@ -259,6 +264,11 @@ struct SimulateArgs {
     /// Send no session header.
     #[arg(long)]
     no_session_header: bool,
+    /// Send each conversation as one user message (its messages' texts
+    /// joined), as through a bare prompt: only the bytes say where a shared
+    /// system prompt ends.
+    #[arg(long)]
+    flat_prompt: bool,
     /// Engine timeline sampling interval, modelled ms.
     #[arg(long, default_value_t = 500.0)]
     sample_ms: f64,
@@ -513,6 +523,11 @@ struct ReplayArgs {
     /// Header carrying the session key; empty to send none.
     #[arg(long, default_value = "x-session-id")]
     session_header: String,
+    /// Send each conversation as one user message (its messages' texts
+    /// joined), as through a bare prompt: only the bytes say where a shared
+    /// system prompt ends.
+    #[arg(long)]
+    flat_prompt: bool,
     /// Per-request time limit, modelled seconds.
     #[arg(long, default_value_t = 1800.0)]
     timeout_s: f64,
@@ -594,6 +609,7 @@ fn run_replay(a: &ReplayArgs) -> Result<ExitCode, String> {
         model: a.model.clone(),
         time_scale: a.time_scale,
         session_header: (!a.session_header.is_empty()).then(|| a.session_header.clone()),
+        flat_prompt: a.flat_prompt,
         timeout_s: a.timeout_s,
         sample_every: Duration::from_millis(a.sample_ms.max(10)),
         seed: a.workload.seed,
@@ -702,6 +718,7 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
         model: a.model.clone(),
         seed: a.workload.seed,
         session_header: !a.no_session_header,
+        flat_prompt: a.flat_prompt,
         sample_s: a.sample_ms / 1000.0,
         progress: !a.quiet,
         records: a.records,
@@ -854,6 +871,7 @@ fn run_suite(a: &SuiteArgs) -> Result<ExitCode, String> {
         kvroute_config: serde_json::from_str(&a.kvroute_config)
             .map_err(|e| format!("--kvroute-config: not JSON: {e}"))?,
         session_header: !a.no_session_header,
+        flat_prompt: a.flat_prompt,
     };
     let rows = kvroute_bench::suite::run(&o)?;
     println!(

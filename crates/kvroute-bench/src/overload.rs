@@ -156,6 +156,7 @@ pub fn run(o: &Options) -> Result<Report, String> {
         model: "meta-llama/Llama-3.1-8B-Instruct".to_owned(),
         seed: o.seed,
         session_header: true,
+        flat_prompt: false,
         sample_s: 1.0,
         progress: o.progress,
         records: false,

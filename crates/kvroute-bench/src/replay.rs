@@ -34,6 +34,8 @@ pub struct Options {
     pub time_scale: f64,
     /// Header that carries the session key (none: not sent).
     pub session_header: Option<String>,
+    /// Send each conversation as one user message ([`sent_history`]).
+    pub flat_prompt: bool,
     /// Per-request limit, modelled seconds.
     pub timeout_s: f64,
     /// Engine sampling interval, real time.
@@ -114,6 +116,27 @@ pub fn chat_body(
             include_usage: true,
         },
     })
+}
+
+/// The messages a request sends for `history`: the history itself, or with
+/// `flat` one user message holding every message's text in order, joined by
+/// a blank line, as a client sends a conversation through a bare prompt
+/// (`/v1/completions`, a template rendered client-side, a trace replay). Each
+/// turn's text is then a byte prefix of the next turn's, and only the bytes
+/// say where a shared system prompt ends and a conversation begins.
+pub fn sent_history<'a>(
+    history: &'a [(&'static str, String)],
+    flat: bool,
+) -> std::borrow::Cow<'a, [(&'static str, String)]> {
+    if !flat {
+        return std::borrow::Cow::Borrowed(history);
+    }
+    let text = history
+        .iter()
+        .map(|(_, c)| c.as_str())
+        .collect::<Vec<_>>()
+        .join("\n\n");
+    std::borrow::Cow::Owned(vec![("user", text)])
 }
 
 /// What a session thread needs.
@@ -294,8 +317,9 @@ fn run_session(s: &Shared, index: usize, session: &Session, tx: &mpsc::Sender<Re
             ));
         }
         history.push(("user", turn.user.render(seed)));
-        let body = chat_body(&s.opts.model, &history, turn.max_tokens);
-        let prompt = chat_prompt(&history);
+        let sent = sent_history(&history, s.opts.flat_prompt);
+        let body = chat_body(&s.opts.model, &sent, turn.max_tokens);
+        let prompt = chat_prompt(&sent);
         let body = match body {
             Ok(b) => b,
             Err(e) => {
@@ -350,5 +374,27 @@ fn run_session(s: &Shared, index: usize, session: &Session, tx: &mpsc::Sender<Re
         if tx.send(record).is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flat_conversation_is_one_message_whose_turns_extend_each_other() {
+        let mut history = vec![("system", "be brief".to_owned()), ("user", "hi".to_owned())];
+        assert_eq!(sent_history(&history, false).as_ref(), history.as_slice());
+        let one = sent_history(&history, true).into_owned();
+        assert_eq!(one, vec![("user", "be brief\n\nhi".to_owned())]);
+        history.push(("assistant", "hello".to_owned()));
+        history.push(("user", "more".to_owned()));
+        let two = sent_history(&history, true).into_owned();
+        assert_eq!(two, vec![("user", "be brief\n\nhi\n\nhello\n\nmore".to_owned())]);
+        // The engine's prompt of turn 1, less its closing template, opens
+        // turn 2's: a flat conversation is cached across turns.
+        let (p1, p2) = (chat_prompt(&one), chat_prompt(&two));
+        let common = p1.iter().zip(&p2).take_while(|(a, b)| a == b).count();
+        assert!(common >= p1.len() - 16, "{common} of {}", p1.len());
     }
 }

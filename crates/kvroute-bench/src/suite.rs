@@ -61,6 +61,9 @@ pub struct SuiteOptions {
     /// Send each session's key as the session header (false: no request
     /// carries one, as from most OpenAI-style clients).
     pub session_header: bool,
+    /// Send each conversation as one user message
+    /// ([`crate::replay::sent_history`]).
+    pub flat_prompt: bool,
 }
 
 /// One run's row in the suite's tables.
@@ -117,7 +120,7 @@ impl Row {
     }
 }
 
-fn options(replicas: usize, gateways: usize, seed: u64, session_header: bool) -> Options {
+fn options(replicas: usize, gateways: usize, seed: u64, o: &SuiteOptions) -> Options {
     Options {
         engines: replicas,
         gateways,
@@ -126,7 +129,8 @@ fn options(replicas: usize, gateways: usize, seed: u64, session_header: bool) ->
         engine: EngineConfig::default(),
         model: "meta-llama/Llama-3.1-8B-Instruct".to_owned(),
         seed,
-        session_header,
+        session_header: o.session_header,
+        flat_prompt: o.flat_prompt,
         sample_s: 0.5,
         progress: false,
         records: false,
@@ -322,7 +326,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
             name,
             wl,
             &o.routers,
-            &options(o.replicas, k, seed, o.session_header),
+            &options(o.replicas, k, seed, o),
             &dir,
             true,
             o.resume,
@@ -384,7 +388,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
             &name,
             &wl,
             &o.scale_routers,
-            &options(n, 1, first_seed, o.session_header),
+            &options(n, 1, first_seed, o),
             &dir,
             n <= 64,
             o.resume,
@@ -630,6 +634,14 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
          - requests are spread over the K gateway instances at random per request; one collector pushes \
          every 250 ms to every gateway.\n"
     );
+    if o.flat_prompt {
+        let _ = writeln!(
+            s,
+            "Every request sends its conversation as one user message (`--flat-prompt`: the texts of its \
+             system prompt, questions and answers joined), as a bare prompt: only the bytes say where a \
+             shared system prompt ends (kvroute learns it, docs/fleet-state.md, \"Bare prompts\").\n"
+        );
+    }
     if !o.session_header {
         let _ = writeln!(
             s,

@@ -20,6 +20,7 @@ fn options(engines: usize, gateways: usize) -> Options {
         model: "m".to_owned(),
         seed: 3,
         session_header: true,
+        flat_prompt: false,
         sample_s: 0.5,
         progress: false,
         records: false,
@@ -353,6 +354,7 @@ fn the_suite_runs_every_seed_and_scores_kvroute_per_seed() {
         only: vec!["groups".to_owned()],
         kvroute_config: serde_json::json!({}),
         session_header: true,
+        flat_prompt: false,
     };
     let rows = suite::run(&o).unwrap();
     // 1 workload x 2 K x 2 seeds x 2 routers.

@@ -218,6 +218,10 @@ pub struct RawHashing {
     pub max_blocks: u32,
     #[serde(default = "defaults::affinity_blocks")]
     pub affinity_blocks: u32,
+    /// Learn where bare prompts' shared parts end and key them past it
+    /// ([`crate::split`]).
+    #[serde(default = "defaults::yes")]
+    pub learn_splits: bool,
 }
 
 impl Default for RawHashing {
@@ -226,6 +230,7 @@ impl Default for RawHashing {
             block_bytes: defaults::block_bytes(),
             max_blocks: defaults::max_blocks(),
             affinity_blocks: defaults::affinity_blocks(),
+            learn_splits: true,
         }
     }
 }
@@ -320,6 +325,11 @@ pub mod defaults {
     /// 1024 blocks of 256 bytes: the first 256 KiB of a prompt are hashed.
     pub fn max_blocks() -> u32 {
         1024
+    }
+    /// Bare prompts are keyed past the shared part they are seen to
+    /// share (docs/fleet-state.md, "Bare prompts").
+    pub fn yes() -> bool {
+        true
     }
     /// 16 blocks (4 KiB, about 1k tokens): a system part this long is a
     /// shared prefix, which co-locates requests whose first questions
@@ -588,6 +598,7 @@ pub struct Config {
     pub block_bytes: usize,
     pub max_blocks: usize,
     pub affinity_blocks: usize,
+    pub learn_splits: bool,
     pub bytes_per_token: u64,
     pub output_tokens_cap: u64,
     pub explain_header: bool,
@@ -1045,6 +1056,7 @@ impl RawConfig {
             block_bytes: h.block_bytes as usize,
             max_blocks: h.max_blocks as usize,
             affinity_blocks: h.affinity_blocks as usize,
+            learn_splits: h.learn_splits,
             bytes_per_token: u64::from(c.bytes_per_token),
             output_tokens_cap: c.output_tokens_cap,
             explain_header: self.explain_header,

@@ -202,6 +202,8 @@ pub struct IndexCache {
     lines: Vec<Option<Line>>,
     /// The worker's traffic per long shared prefix.
     pub traffic: PrefixTraffic,
+    /// Where bare prompts' shared parts end ([`crate::split`]).
+    pub splits: crate::split::SharedSplits,
 }
 
 /// Counters of the sketch (two rows).
@@ -252,11 +254,18 @@ impl PrefixTraffic {
     /// and returns the key's share of the worker's recent requests (at most
     /// 1; over-estimated on collisions) and its requests' mean `first`.
     pub fn observe(&mut self, key: u64, first: f64) -> (f64, f64) {
+        self.observe_other();
+        self.count(key, first)
+    }
+
+    /// [`Self::observe`] without counting a request in the total: a
+    /// request with several shared prefixes ([`crate::split`]) counts once
+    /// there ([`Self::observe_other`]) and then once under each prefix.
+    pub fn count(&mut self, key: u64, first: f64) -> (f64, f64) {
         if self.counts.is_empty() {
             self.counts = vec![0; 2 * TRAFFIC_COUNTERS];
             self.shares = vec![0.0; 2 * TRAFFIC_COUNTERS];
         }
-        self.observe_other();
         let mut best = (u32::MAX, 0.0f32);
         for i in Self::cells(key) {
             if let (Some(c), Some(f)) = (self.counts.get_mut(i), self.shares.get_mut(i)) {

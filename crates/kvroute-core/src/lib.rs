@@ -37,6 +37,7 @@ pub mod picker;
 pub mod placed;
 pub mod request;
 pub mod score;
+pub mod split;
 pub mod usage;
 
 pub use config::{Config, ConfigError};

@@ -135,6 +135,9 @@ pub struct Options {
     pub seed: u64,
     /// Send the session key as `x-session-id` (as the real bench does).
     pub session_header: bool,
+    /// Send each conversation as one user message
+    /// ([`crate::replay::sent_history`]).
+    pub flat_prompt: bool,
     /// Engine timeline sampling interval, modelled seconds (at least the
     /// workload's span / 1000, so that a long run keeps ~1000 samples).
     pub sample_s: f64,
@@ -512,20 +515,21 @@ pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outc
                     }),
                 };
                 let max_tokens = (turn.max_tokens as usize).max(1);
+                let sent = crate::replay::sent_history(&state.history, opts.flat_prompt);
                 let body = crate::replay::chat_body(
                     &opts.model,
-                    &state.history,
+                    &sent,
                     u32::try_from(max_tokens).unwrap_or(u32::MAX),
                 )
                 .unwrap_or_default();
-                let prompt = chat_prompt(&state.history);
+                let prompt = chat_prompt(&sent);
                 let class = classes.entry(objective_of(s)).or_default();
                 class.requests += 1;
                 next_handle += 1;
                 let req = Request {
                     body: &body,
                     session: s.key.as_deref().filter(|_| opts.session_header),
-                    messages: &state.history,
+                    messages: &sent,
                     prompt: &prompt,
                     model: &opts.model,
                     prompt_tokens: prompt.len().div_ceil(BYTES_PER_TOKEN),
@@ -762,20 +766,21 @@ impl World<'_> {
             return;
         };
         let max_tokens = (turn.max_tokens as usize).max(1);
+        let sent = crate::replay::sent_history(&state.history, opts.flat_prompt);
         let (body, prompt) = built.unwrap_or_else(|| {
             let body = crate::replay::chat_body(
                 &opts.model,
-                &state.history,
+                &sent,
                 u32::try_from(max_tokens).unwrap_or(u32::MAX),
             )
             .unwrap_or_default();
-            (body, chat_prompt(&state.history))
+            (body, chat_prompt(&sent))
         });
         let prompt_tokens = prompt.len().div_ceil(BYTES_PER_TOKEN);
         let req = Request {
             body: &body,
             session: s.key.as_deref().filter(|_| opts.session_header),
-            messages: &state.history,
+            messages: &sent,
             prompt: &prompt,
             model: &opts.model,
             prompt_tokens,
