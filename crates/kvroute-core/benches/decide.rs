@@ -10,6 +10,7 @@ use kvroute_core::admit::{arrive, Objective, Queue};
 use kvroute_core::decide::{analyze, headroom, pick};
 use kvroute_core::fleet::{FleetView, HostState, Snapshot, SNAPSHOT_VERSION};
 use kvroute_core::load::{Charge, LoadTable};
+use kvroute_core::split::SharedSplits;
 use kvroute_core::{Config, Endpoint};
 use std::hint::black_box;
 
@@ -170,9 +171,46 @@ fn bench_admission(c: &mut Criterion) {
     group.finish();
 }
 
+/// Learning a bare prompt's split ([`kvroute_core::split`]) against
+/// parsing and hashing the same body: what a keyless bare prompt adds to
+/// its decision. The table holds a split under the prompt's first half
+/// (another request shared it and then differed) and thousands of other
+/// prompts' entries.
+fn bench_splits(c: &mut Criterion) {
+    let mut group = c.benchmark_group("splits");
+    let Some(cfg) = config(8) else { return };
+    for size in [32usize << 10, 128 << 10] {
+        let body = chat_body(size);
+        let Ok(facts) = analyze(&cfg, Endpoint::ChatCompletions, None, &body) else {
+            continue;
+        };
+        let mut table = SharedSplits::default();
+        let half = facts.blocks.len() / 2;
+        let mut other = facts.blocks.clone();
+        for (i, b) in other.iter_mut().enumerate().skip(half) {
+            *b ^= 0x5eed + i as u64;
+        }
+        table.learn(&facts.blocks, cfg.affinity_blocks, 0, u64::MAX);
+        table.learn(&other, cfg.affinity_blocks, 0, u64::MAX);
+        for p in 0..4096u64 {
+            let blocks: Vec<u64> = (0..80).map(|i| p.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i).collect();
+            table.learn(&blocks, cfg.affinity_blocks, 0, u64::MAX);
+        }
+        let kb = format!("{}KB", size >> 10);
+        group.bench_function(BenchmarkId::new("analyze", &kb), |b| {
+            b.iter(|| analyze(&cfg, Endpoint::ChatCompletions, None, black_box(&body)))
+        });
+        group.bench_function(BenchmarkId::new("learn", &kb), |b| {
+            b.iter(|| table.learn(black_box(&facts.blocks), cfg.affinity_blocks, 0, u64::MAX))
+        });
+    }
+    group.finish();
+}
+
 criterion_group!(
     benches,
     bench,
+    bench_splits,
     bench_snapshot,
     bench_fleet_pick,
     bench_admission
