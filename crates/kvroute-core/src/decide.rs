@@ -295,10 +295,10 @@ pub struct Facts {
     /// system prompt or document other conversations may share; 0 without
     /// a user message).
     pub shared_blocks: usize,
-    /// For a request without a session or conversation key (a bare prompt,
-    /// or a key cut inside the first user message: nothing says where a
-    /// shared part ends), the digest of its whole prompt; [`route`] may key it past a shared
-    /// part it learns ([`crate::split`]).
+    /// For a request without a session or conversation key (a bare
+    /// prompt, or a key cut inside the first user message: nothing says
+    /// where a shared part ends), the digest of its whole prompt; [`route`]
+    /// may key it past a shared part it learns ([`crate::split`]).
     pub bare_digest: Option<u64>,
 }
 
@@ -1099,7 +1099,7 @@ pub fn route(
             let mut counted = None;
             let mut in_total = false;
             let refined;
-            let facts = match facts.bare_digest.filter(|_| cfg.learn_splits && traffic_on) {
+            let facts = match facts.bare_digest.filter(|_| cfg.learn_splits) {
                 Some(whole) => {
                     let splits = cache.splits.learn(
                         &facts.blocks,
@@ -1108,26 +1108,32 @@ pub fn route(
                         cfg.fleet.prefix_ttl_ms,
                     );
                     let nb = facts.blocks.len().max(1) as f64;
-                    if !splits.is_empty() {
+                    if traffic_on && !splits.is_empty() {
                         cache.traffic.observe_other();
                         in_total = true;
                     }
-                    let parts: Vec<(usize, u64, (f64, f64))> = splits
+                    // Without traffic figures (`prefixAffinityShare` 0) no
+                    // part is rare: the key moves past every one.
+                    let parts: Vec<_> = splits
                         .iter()
                         .filter_map(|&s| {
                             let key = *facts.blocks.get(s.checked_sub(1)?)?;
-                            Some((s, key, cache.traffic.count(key, s as f64 / nb)))
+                            let figures =
+                                traffic_on.then(|| cache.traffic.count(key, s as f64 / nb));
+                            Some((s, key, figures))
                         })
                         .collect();
                     let past = parts
                         .iter()
-                        .take_while(|(_, _, (share, first))| {
-                            *first < cfg.fleet.prefix_affinity_first || replicas_of(*share) >= 1.0
+                        .take_while(|(_, _, figures)| {
+                            figures.is_none_or(|(share, first)| {
+                                first < cfg.fleet.prefix_affinity_first || replicas_of(share) >= 1.0
+                            })
                         })
                         .last();
                     match past {
                         Some(&(s, key, figures)) => {
-                            counted = Some(figures);
+                            counted = figures;
                             refined = Facts {
                                 affinity: Affinity::Prefix(
                                     facts.blocks.get(s).copied().unwrap_or(whole),
@@ -1636,7 +1642,8 @@ mod tests {
     /// differ after the prompt, each is keyed by its own text after it
     /// (while the prompt is popular), every turn of a conversation keeps
     /// that key, and the prompt is its shared prefix. Without
-    /// `learnSplits`, every one of them takes the prompt's key.
+    /// `learnSplits`, every one of them takes the prompt's key; with
+    /// `prefixAffinityShare` 0 (no traffic figures), each keeps its own.
     #[test]
     fn bare_prompts_are_keyed_past_the_part_they_share() {
         let hosts = r#""hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004"]"#;
@@ -1652,7 +1659,11 @@ mod tests {
             }
             serde_json::to_vec(&json!({"model": "llama", "prompt": p, "max_tokens": 16})).unwrap()
         };
-        for (c, learns) in [(&learn, true), (&fixed, false)] {
+        let no_traffic = Config::from_json(
+            format!(r#"{{{hosts},"fleet":{{"prefixAffinityShare":0}}}}"#).as_bytes(),
+        )
+        .unwrap();
+        for (c, learns) in [(&learn, true), (&fixed, false), (&no_traffic, true)] {
             let (store, m) = (MemorySharedData::default(), MemoryMetrics::default());
             let mut cache = IndexCache::default();
             let mut send = |conv: usize, t: usize| {
