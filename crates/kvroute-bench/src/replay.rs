@@ -390,7 +390,10 @@ mod tests {
         history.push(("assistant", "hello".to_owned()));
         history.push(("user", "more".to_owned()));
         let two = sent_history(&history, true).into_owned();
-        assert_eq!(two, vec![("user", "be brief\n\nhi\n\nhello\n\nmore".to_owned())]);
+        assert_eq!(
+            two,
+            vec![("user", "be brief\n\nhi\n\nhello\n\nmore".to_owned())]
+        );
         // The engine's prompt of turn 1, less its closing template, opens
         // turn 2's: a flat conversation is cached across turns.
         let (p1, p2) = (chat_prompt(&one), chat_prompt(&two));

@@ -193,7 +193,9 @@ fn bench_splits(c: &mut Criterion) {
         table.learn(&facts.blocks, cfg.affinity_blocks, 0, u64::MAX);
         table.learn(&other, cfg.affinity_blocks, 0, u64::MAX);
         for p in 0..4096u64 {
-            let blocks: Vec<u64> = (0..80).map(|i| p.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i).collect();
+            let blocks: Vec<u64> = (0..80)
+                .map(|i| p.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i)
+                .collect();
             table.learn(&blocks, cfg.affinity_blocks, 0, u64::MAX);
         }
         let kb = format!("{}KB", size >> 10);

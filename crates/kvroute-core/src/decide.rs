@@ -1646,16 +1646,24 @@ mod tests {
     /// `prefixAffinityShare` 0 (no traffic figures), each keeps its own.
     #[test]
     fn bare_prompts_are_keyed_past_the_part_they_share() {
-        let hosts = r#""hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004"]"#;
+        let hosts =
+            r#""hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004"]"#;
         let learn = Config::from_json(format!("{{{hosts}}}").as_bytes()).unwrap();
-        let fixed =
-            Config::from_json(format!(r#"{{{hosts},"hashing":{{"learnSplits":false}}}}"#).as_bytes())
-                .unwrap();
+        let fixed = Config::from_json(
+            format!(r#"{{{hosts},"hashing":{{"learnSplits":false}}}}"#).as_bytes(),
+        )
+        .unwrap();
         let shared = "shared prompt ".repeat(600);
         let turn = |conv: usize, t: usize| {
-            let mut p = format!("{shared}\n\nUser: conversation {conv} asks {}", "why ".repeat(80));
+            let mut p = format!(
+                "{shared}\n\nUser: conversation {conv} asks {}",
+                "why ".repeat(80)
+            );
             for k in 0..t {
-                p.push_str(&format!("\n\nAssistant: {}\n\nUser: and {k}?", "because ".repeat(60)));
+                p.push_str(&format!(
+                    "\n\nAssistant: {}\n\nUser: and {k}?",
+                    "because ".repeat(60)
+                ));
             }
             serde_json::to_vec(&json!({"model": "llama", "prompt": p, "max_tokens": 16})).unwrap()
         };
@@ -1680,7 +1688,10 @@ mod tests {
             let keys: Vec<_> = (100..104)
                 .map(|conv| {
                     let all: Vec<_> = (0..4).map(|t| send(conv, t)).collect();
-                    assert!(all.iter().all(|d| *d == all[0]), "conversation {conv}: {all:?}");
+                    assert!(
+                        all.iter().all(|d| *d == all[0]),
+                        "conversation {conv}: {all:?}"
+                    );
                     all[0]
                 })
                 .collect();

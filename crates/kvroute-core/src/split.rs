@@ -139,13 +139,11 @@ impl SharedSplits {
                     };
                     // A free or forgotten way, else the oldest that has
                     // shown no split, else the oldest.
-                    let victim = ways
-                        .iter_mut()
-                        .min_by_key(|w| match w {
-                            None => (0u8, 0u8, 0u64),
-                            Some(e) if !live(e) => (0, 1, e.at_ms),
-                            Some(e) => (1, u8::from(e.split != 0), e.at_ms),
-                        });
+                    let victim = ways.iter_mut().min_by_key(|w| match w {
+                        None => (0u8, 0u8, 0u64),
+                        Some(e) if !live(e) => (0, 1, e.at_ms),
+                        Some(e) => (1, u8::from(e.split != 0), e.at_ms),
+                    });
                     if let Some(v) = victim {
                         let keep = matches!(v, Some(e) if live(e) && e.split != 0);
                         if !keep {
