@@ -136,7 +136,10 @@ class Engine:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def metrics_text(self) -> str:
-        r = httpx.get(f"{self.url}/metrics", timeout=5.0)
+        # A server busy with long generations on two shared cores has
+        # answered /metrics after more than 5 s (llama-server with its four
+        # slots flooded, in a fresh-clone CI run).
+        r = httpx.get(f"{self.url}/metrics", timeout=30.0)
         r.raise_for_status()
         return r.text
 
