@@ -769,17 +769,13 @@ pub fn pick(
     hits: &[(u64, u32)],
     now_ms: u64,
 ) -> Decision {
-    pick_keyed(
-        cfg,
-        facts,
-        facts.affinity,
-        None,
-        None,
-        fleet,
-        table,
-        hits,
-        now_ms,
-    )
+    let keyed = Keyed {
+        affinity: facts.affinity,
+        subset: None,
+        moved: None,
+        shared_blocks: facts.shared_blocks,
+    };
+    pick_keyed(cfg, facts, keyed, fleet, table, hits, now_ms)
 }
 
 /// The replicas a shared prefix's sessions are homed on: the `size`
@@ -790,15 +786,26 @@ struct Subset {
     size: usize,
 }
 
-/// [`pick`] under `affinity` instead of the request's own key (a session
-/// placed by its shared prefix, see the module doc).
-#[allow(clippy::too_many_arguments)]
+/// How [`route`] keys a request, where it differs from the request's own
+/// facts.
+#[derive(Debug, Clone, Copy)]
+struct Keyed {
+    /// The key placed on the ring (a session placed by its shared prefix,
+    /// a bare prompt past the part it shares: see the module doc).
+    affinity: Affinity,
+    subset: Option<Subset>,
+    /// Where this gateway remembers placing the key (`coldHomeShare`).
+    moved: Option<u64>,
+    /// Whole blocks of the part other conversations share
+    /// ([`Facts::shared_blocks`], or past a learned split).
+    shared_blocks: usize,
+}
+
+/// [`pick`] keyed as `keyed` says.
 fn pick_keyed(
     cfg: &Config,
     facts: &Facts,
-    affinity: Affinity,
-    subset: Option<Subset>,
-    moved: Option<u64>,
+    keyed: Keyed,
     fleet: Option<&FleetView>,
     table: &LoadTable,
     hits: &[(u64, u32)],
@@ -807,33 +814,32 @@ fn pick_keyed(
     match fleet {
         Some(view) => {
             let (replicas, degraded) = observed(cfg, facts, view, table, now_ms);
-            scored(
-                cfg, facts, affinity, subset, moved, &view.set, &replicas, hits, degraded,
-            )
+            scored(cfg, facts, keyed, &view.set, &replicas, hits, degraded)
         }
         None => {
             let replicas = configured(cfg, table, now_ms);
-            scored(
-                cfg, facts, affinity, subset, moved, &cfg.hosts, &replicas, hits, true,
-            )
+            scored(cfg, facts, keyed, &cfg.hosts, &replicas, hits, true)
         }
     }
 }
 
 /// Scores `replicas` (positions in `hosts`) and picks among them under
 /// bounded load; the decision charges the primary.
-#[allow(clippy::too_many_arguments)]
 fn scored(
     cfg: &Config,
     facts: &Facts,
-    affinity: Affinity,
-    subset: Option<Subset>,
-    moved: Option<u64>,
+    keyed: Keyed,
     hosts: &HostSet,
     replicas: &[Replica],
     hits: &[(u64, u32)],
     degraded: bool,
 ) -> Decision {
+    let Keyed {
+        affinity,
+        subset,
+        moved,
+        shared_blocks,
+    } = keyed;
     let f = &cfg.fleet;
     let key = affinity.key();
     // A shared prefix's subset: the replicas whose rank for its key is
@@ -901,7 +907,7 @@ fn scored(
     let first_turn_share = if facts.continues {
         0.0
     } else {
-        let shared = facts.shared_blocks.min(blocks);
+        let shared = shared_blocks.min(blocks);
         hits.iter()
             .map(|&(_, d)| (d as usize).min(shared))
             .max()
@@ -1096,85 +1102,66 @@ pub fn route(
             // until one that is rare and most of the prompt (whose requests
             // then keep the key they have, and co-locate as its first
             // request did). The deepest part passed is its shared prefix.
+            let (mut own, mut shared_prefix, mut shared_blocks) =
+                (facts.affinity, facts.shared_prefix, facts.shared_blocks);
             let mut counted = None;
             let mut in_total = false;
-            let refined;
-            let facts = match facts.bare_digest.filter(|_| cfg.learn_splits) {
-                Some(whole) => {
-                    let splits = cache.splits.learn(
-                        &facts.blocks,
-                        cfg.affinity_blocks,
-                        now_ms,
-                        cfg.fleet.prefix_ttl_ms,
-                    );
-                    let nb = facts.blocks.len().max(1) as f64;
-                    if traffic_on && !splits.is_empty() {
-                        cache.traffic.observe_other();
-                        in_total = true;
-                    }
-                    // Without traffic figures (`prefixAffinityShare` 0) no
-                    // part is rare: the key moves past every one.
-                    let parts: Vec<_> = splits
-                        .iter()
-                        .filter_map(|&s| {
-                            let key = *facts.blocks.get(s.checked_sub(1)?)?;
-                            let figures =
-                                traffic_on.then(|| cache.traffic.count(key, s as f64 / nb));
-                            Some((s, key, figures))
-                        })
-                        .collect();
-                    let past = parts
-                        .iter()
-                        .take_while(|(_, _, figures)| {
-                            figures.is_none_or(|(share, first)| {
-                                first < cfg.fleet.prefix_affinity_first || replicas_of(share) >= 1.0
-                            })
-                        })
-                        .last();
-                    match past {
-                        Some(&(s, key, figures)) => {
-                            counted = figures;
-                            refined = Facts {
-                                affinity: Affinity::Prefix(
-                                    facts.blocks.get(s).copied().unwrap_or(whole),
-                                ),
-                                shared_prefix: Some(SharedPrefix {
-                                    key,
-                                    share: s as f64 / nb,
-                                }),
-                                shared_blocks: s,
-                                ..facts.clone()
-                            };
-                            &refined
-                        }
-                        None => facts,
+            if let Some(whole) = facts.bare_digest.filter(|_| cfg.learn_splits) {
+                let splits = cache.splits.learn(
+                    &facts.blocks,
+                    cfg.affinity_blocks,
+                    now_ms,
+                    cfg.fleet.prefix_ttl_ms,
+                );
+                let nb = facts.blocks.len().max(1) as f64;
+                if traffic_on && !splits.is_empty() {
+                    cache.traffic.observe_other();
+                    in_total = true;
+                }
+                // Without traffic figures (`prefixAffinityShare` 0) no part
+                // is rare: the key moves past every one.
+                let mut passing = true;
+                for &s in &splits {
+                    let Some(&key) = s.checked_sub(1).and_then(|i| facts.blocks.get(i)) else {
+                        continue;
+                    };
+                    let share = s as f64 / nb;
+                    let figures = traffic_on.then(|| cache.traffic.count(key, share));
+                    passing = passing
+                        && figures.is_none_or(|(part, first)| {
+                            first < cfg.fleet.prefix_affinity_first || replicas_of(part) >= 1.0
+                        });
+                    if passing {
+                        own = Affinity::Prefix(facts.blocks.get(s).copied().unwrap_or(whole));
+                        shared_prefix = Some(SharedPrefix { key, share });
+                        shared_blocks = s;
+                        counted = figures;
                     }
                 }
-                None => facts,
-            };
+            }
             // A long shared prefix that carries less than a replica's share
             // of the traffic is the affinity key: its sessions co-locate.
-            let (affinity, subset) = match facts.shared_prefix {
+            let (affinity, subset) = match shared_prefix {
                 Some(p) if traffic_on => {
                     let (share, first) =
                         counted.unwrap_or_else(|| cache.traffic.observe(p.key, p.share));
                     let replicas = replicas_of(share);
                     let size = replicas.ceil() as usize;
                     if first < cfg.fleet.prefix_affinity_first {
-                        (facts.affinity, None)
+                        (own, None)
                     } else if replicas < 1.0 {
                         (Affinity::Prefix(p.key), None)
                     } else if first >= cfg.fleet.prefix_subset_first && size < n {
-                        (facts.affinity, Some(Subset { key: p.key, size }))
+                        (own, Some(Subset { key: p.key, size }))
                     } else {
-                        (facts.affinity, None)
+                        (own, None)
                     }
                 }
                 _ => {
                     if traffic_on && !in_total {
                         cache.traffic.observe_other();
                     }
-                    (facts.affinity, None)
+                    (own, None)
                 }
             };
             // Where a shared prefix places the request (its affinity key or
@@ -1187,7 +1174,7 @@ pub fn route(
             // the key.
             let by_prefix = subset.is_some()
                 || match affinity {
-                    Affinity::Prefix(k) => facts.shared_prefix.is_none_or(|p| p.key == k),
+                    Affinity::Prefix(k) => shared_prefix.is_none_or(|p| p.key == k),
                     Affinity::Session(_) => false,
                 };
             let owners = if by_prefix { index::OWNERS } else { 1 };
@@ -1209,9 +1196,13 @@ pub fn route(
                 (None, None)
             };
             let decide = |table: &LoadTable| {
-                pick_keyed(
-                    cfg, facts, affinity, subset, moved, fleet, table, &hits, now_ms,
-                )
+                let keyed = Keyed {
+                    affinity,
+                    subset,
+                    moved,
+                    shared_blocks,
+                };
+                pick_keyed(cfg, facts, keyed, fleet, table, &hits, now_ms)
             };
             let result = load::update(store, &cfg.load_key, |table| {
                 let d = decide(table);
