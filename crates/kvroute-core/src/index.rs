@@ -77,9 +77,21 @@ pub struct Index<'a> {
 }
 
 /// What a lookup read at each sampled position (`None`: no live entry for
-/// that block).
+/// that block), and the longest earlier request it found whole within
+/// this one ([`Seen::extends`]).
 #[derive(Debug, Clone, Default)]
-pub struct Seen(Vec<(usize, Option<Entry>)>);
+pub struct Seen(Vec<(usize, Option<Entry>)>, usize);
+
+impl Seen {
+    /// The most blocks of an earlier request, sent to a live owner, that
+    /// this request holds whole: that request's prompt ended within this
+    /// one (the owner's depth reaches no further than this request, and
+    /// its last block matches), so this one extends it, as a
+    /// conversation's next turn extends the previous. 0 when none did.
+    pub fn extends(&self) -> usize {
+        self.1
+    }
+}
 
 /// One replica sent the block: by a request of `depth` blocks, at `at_ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -405,7 +417,7 @@ impl Index<'_> {
         now_ms: u64,
     ) -> (Vec<(u64, u32)>, Seen) {
         let mut found: Vec<(u64, u32)> = Vec::new();
-        let mut seen = Seen(Vec::new());
+        let mut seen = Seen(Vec::new(), 0);
         let mut note = |host: u64, depth: u32| match found.iter_mut().find(|(h, _)| *h == host) {
             Some((_, d)) => *d = (*d).max(depth),
             None => found.push((host, depth)),
@@ -428,6 +440,10 @@ impl Index<'_> {
             };
             for o in e.owners().iter().take(owners.max(1)) {
                 note(o.host, (p + 1) as u32);
+                let whole = o.depth as usize <= n;
+                if o.depth as usize == p + 1 {
+                    seen.1 = seen.1.max(p + 1);
+                }
                 // The writer's last block, if it lies deeper within this
                 // request.
                 let last = (o.depth as usize).min(n);
@@ -436,6 +452,9 @@ impl Index<'_> {
                         let d = self.read(store, cache, deep, now_ms);
                         if d.is_some_and(|d| d.owner(o.host).is_some()) {
                             note(o.host, last as u32);
+                            if whole {
+                                seen.1 = seen.1.max(last);
+                            }
                         }
                     }
                 }
@@ -477,7 +496,7 @@ impl Index<'_> {
     /// Records that `blocks` were sent to `host`.
     pub fn record(&self, store: &dyn SharedData, blocks: &[u64], host: u64, now_ms: u64) {
         let mut cache = IndexCache::default();
-        let _ = self.record_after(store, &mut cache, blocks, host, now_ms, &Seen(Vec::new()));
+        let _ = self.record_after(store, &mut cache, blocks, host, now_ms, &Seen::default());
     }
 
     /// [`Index::record`], skipping the writes that would change nothing
@@ -765,6 +784,41 @@ mod tests {
         // A shorter request sharing the prefix matches to its deepest
         // sampled position (8 of its 10 blocks): an underestimate, at least half.
         assert_eq!(IX.lookup(&store, &turn2[..10], 10), vec![(7, 8)]);
+    }
+
+    /// A request that holds an earlier one whole extends it, by that
+    /// request's depth; one that shares only a prefix, or is shorter, does
+    /// not.
+    #[test]
+    fn extends_counts_only_an_earlier_request_held_whole() {
+        let store = MemorySharedData::default();
+        let turn2 = chain(1, 40);
+        IX.record(&store, &turn2[..23], 7, 0);
+        let extends = |blocks: &[u64]| {
+            let (_, seen) =
+                IX.lookup_seen(&store, &mut IndexCache::default(), blocks, None, OWNERS, 10);
+            seen.extends()
+        };
+        assert_eq!(extends(&turn2), 23);
+        assert_eq!(extends(&turn2[..23]), 23, "the same prompt again");
+        assert_eq!(extends(&turn2[..10]), 0, "a shorter prompt");
+        // A sibling: the first 20 blocks, then its own.
+        let mut sibling = turn2[..20].to_vec();
+        sibling.extend(chain(5, 20).iter().map(|x| x ^ 5 << 40));
+        assert_eq!(extends(&sibling), 0);
+        // An earlier request ending at a sampled position (8 blocks).
+        IX.record(&store, &turn2[..8], 3, 0);
+        assert_eq!(extends(&sibling), 8);
+        // Expired owners extend nothing.
+        let (_, seen) = IX.lookup_seen(
+            &store,
+            &mut IndexCache::default(),
+            &turn2,
+            None,
+            OWNERS,
+            10_000_000,
+        );
+        assert_eq!(seen.extends(), 0);
     }
 
     #[test]
