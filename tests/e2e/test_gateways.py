@@ -258,6 +258,43 @@ def test_a_continuing_request_counts_as_an_arrival(stack_factory, wasm_path):
     wait_until(lambda: [(h["prefillPendingTokens"], h["memoryTokens"]) for h in report()] == [(0, 0)],
                5.0, "the memory released, the arrivals kept")
 
+def test_a_bare_prompt_that_extends_an_earlier_one_counts_as_an_arrival(stack_factory, wasm_path):
+    """/v1/completions, no session: a prompt has no answers to show it
+    continues a conversation. Questions over one shared document (each
+    the document and its own question) continue nothing, even under one
+    remembered key; a conversation's next turn, whose prompt holds its
+    first turn whole, continues it and counts as an arrival on its replica
+    (docs/fleet-state.md, "Bare prompts that continue")."""
+    gw = stack_factory(replicas=2, ingest_token=TOKEN)
+    assert gw.push_fleet().status == 204
+    document = filler("bare-arrivals-document", 8192)
+
+    def report() -> list[dict]:
+        status, load = gateway_load(gw)
+        assert status == 200, load
+        return load["hosts"]
+
+    def ask(prompt: str) -> harness.Reply:
+        body = {"model": "test-model", "prompt": prompt, "max_tokens": 16}
+        r = send(gw.gateway_url, "/v1/completions", json_body=body)
+        assert r.status == 200, r.describe()
+        return r
+
+    def question(q: int) -> str:
+        return f"{document}\n\nQuestion {q}: " + filler(f"bare-question-{q}", 600)
+
+    for q in range(30):
+        ask(question(q))
+    assert all("arrivalsPerS" not in h for h in report()), report()
+    first = question(100)
+    ask(first)
+    assert all("arrivalsPerS" not in h for h in report()), report()
+    second = ask(first + "\n\nAnswer: " + filler("bare-answer", 800) + "\n\nQuestion: and then?")
+    counted = [h for h in report() if "arrivalsPerS" in h]
+    assert [h["address"] for h in counted] == [second.served_by], counted
+    assert 0.05 < counted[0]["arrivalsPerS"] <= 0.1, counted
+
+
 @pytest.mark.parametrize("layout", ["shared", "sidecars"])
 def test_the_gateways_share_their_pending_prefill(stack_factory, wasm_path, collector_binary, layout):
     """One collector pushing to both gateways (shared), or a collector per
