@@ -286,7 +286,7 @@ struct SimulateArgs {
     no_samples: bool,
     /// Also write records-<router>.jsonl: one JSON line per answered
     /// request (session, turn, gateway, engine, TTFT, queue, prefill,
-    /// cached tokens, kvroute's reason), in completion order.
+    /// cached tokens, kvroute's reason and key), in completion order.
     #[arg(long)]
     records: bool,
     /// Step the engines one step at a time, never in runs of decode steps

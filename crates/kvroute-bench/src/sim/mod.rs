@@ -171,6 +171,9 @@ pub struct Line {
     /// kvroute's decision reason; absent for the peers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<&'static str>,
+    /// kvroute's affinity key, in hex; absent for the peers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }
 
 /// A run's summary, and what is measured outside it.
@@ -904,6 +907,7 @@ impl World<'_> {
                 cached_tokens: summary.cached_tokens as u64,
                 completion_tokens: summary.completion_tokens as u64,
                 reason: f.ticket.reason,
+                key: f.ticket.key.map(|k| format!("{k:016x}")),
             });
         }
         self.tally.completed(

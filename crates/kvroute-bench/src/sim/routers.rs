@@ -94,6 +94,8 @@ pub struct Ticket {
     pub blocks: Vec<u64>,
     /// kvroute: the decision's reason (`session`, `prefix`, `spill`, ...).
     pub reason: Option<&'static str>,
+    /// kvroute: the affinity key the decision placed.
+    pub key: Option<u64>,
 }
 
 /// A router running as K gateway instances.
@@ -650,6 +652,7 @@ impl Router for Kvroute {
             prompt_tokens: req.prompt_tokens as u64,
             blocks: Vec::new(),
             reason: Some(d.reason.as_str()),
+            key: d.key,
         })
     }
 
