@@ -814,8 +814,8 @@ struct Keyed {
     /// ([`Facts::shared_blocks`], or past a learned split).
     shared_blocks: usize,
     /// The request continues a conversation: its prompt holds an answer
-    /// ([`Facts::continues`]), or it is a bare prompt whose key some
-    /// gateway placed before (see [`route`]).
+    /// ([`Facts::continues`]), or it is a bare prompt of a remembered key
+    /// that holds an earlier request whole (see [`route`]).
     continues: bool,
 }
 
