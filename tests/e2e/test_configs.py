@@ -238,6 +238,8 @@ def test_schema_defaults_are_valid(schema: dict):
         ({"hosts": ["127.0.0.1:1"], "fleet": {"spillCostRatio": 0.5}}, False),
         ({"hosts": ["127.0.0.1:1"], "fleet": {"coldHomeShare": 0.5}}, True),
         ({"hosts": ["127.0.0.1:1"], "fleet": {"coldHomeShare": 1.01}}, False),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"sharedOnlyHomeShare": 0.25}}, True),
+        ({"hosts": ["127.0.0.1:1"], "fleet": {"sharedOnlyHomeShare": -0.01}}, False),
         ({"hosts": ["127.0.0.1:1"], "fleet": {"spillMarginMs": -1}}, False),
         ({"hosts": ["127.0.0.1:1"], "fleet": {"prefixIndexSlots": 1048577}}, False),
         ({"hosts": ["127.0.0.1:1"], "fleet": {"staleAfter": 1}}, False),

@@ -896,8 +896,19 @@ fn scored(
     // an assumption about where the key's later requests go, not a cache
     // it would duplicate elsewhere.
     let cold = hits.is_empty() && !continues && moved.is_none();
+    // A request that starts a conversation, of a key no gateway placed,
+    // which the index knows only as far as the part it shares with other
+    // conversations (a system prompt): nothing of its own text is cached
+    // anywhere, so the home's credit is an assumption about its later
+    // requests, as for a cold one (`sharedOnlyHomeShare`).
+    let shared_only = !cold
+        && !continues
+        && moved.is_none()
+        && hits.iter().all(|&(_, d)| d as usize <= shared_blocks);
     let home_share = if cold {
         f.cold_home_share
+    } else if shared_only {
+        f.shared_only_home_share
     } else {
         f.home_cached_share
     };
@@ -1542,6 +1553,52 @@ mod tests {
         let store = MemorySharedData::default();
         index.record(&store, &f.blocks, other.id, 0);
         assert_eq!(route_fresh(&c, &store, &m, &f).targets[0], other.addr);
+    }
+
+    /// A first request of which the index knows only the system prompt it
+    /// shares with other conversations has nothing of its own cached
+    /// anywhere: with `sharedOnlyHomeShare` at 0.25 its home is credited
+    /// as a cold request's and a busy home loses it; by default (0.95) it
+    /// stays home.
+    #[test]
+    fn a_first_request_known_only_by_its_shared_part() {
+        let c = cfg();
+        let on = Config::from_json(
+            br#"{"hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004"],
+                 "fleet":{"sharedOnlyHomeShare":0.25}}"#,
+        )
+        .unwrap();
+        let bb = c.block_bytes;
+        let first = json!([
+            {"role": "system", "content": "s".repeat(16 * bb)},
+            {"role": "user", "content": "question ".repeat(6 * bb)},
+        ]);
+        let f = facts(&chat(first, json!({})), Some("conv"));
+        assert!(!f.continues && f.shared_blocks == 16 && f.blocks.len() > 60);
+        let m = MemoryMetrics::default();
+        let home = route_fresh(&c, &MemorySharedData::default(), &m, &f).targets[0].clone();
+        let home_id = c.hosts.iter().find(|h| h.addr == home).unwrap().id;
+        let other = c.hosts.iter().find(|h| h.addr != home).unwrap();
+        for (config, leaves) in [(&c, false), (&on, true)] {
+            let store = MemorySharedData::default();
+            // Another replica was sent the system prompt; the home has a
+            // prompt's worth of prefill pending.
+            index_of(config).record(&store, &f.blocks[..16], other.id, 0);
+            load::update(&store, &config.load_key, |t| {
+                t.add(Charge {
+                    host: home_id,
+                    prefill: f.input_tokens,
+                    memory: 0,
+                })
+            })
+            .unwrap();
+            let d = route_fresh(config, &store, &m, &f);
+            let to = &d.targets[0];
+            assert_eq!(to != &home, leaves, "{d:?}");
+            if leaves {
+                assert_eq!(to, &other.addr, "{d:?}");
+            }
+        }
     }
 
     #[test]
