@@ -131,8 +131,9 @@ pub struct RawFleet {
     pub home_cached_share: f64,
     #[serde(default = "defaults::cold_home_share")]
     pub cold_home_share: f64,
-    #[serde(default = "defaults::shared_only_home_share")]
-    pub shared_only_home_share: f64,
+    /// Unset: `homeCachedShare`.
+    #[serde(default)]
+    pub shared_only_home_share: Option<f64>,
     #[serde(default = "defaults::recompute_weight")]
     pub recompute_weight: f64,
     #[serde(default = "defaults::peer_pending_weight")]
@@ -177,7 +178,7 @@ impl Default for RawFleet {
             prefill_tokens_per_s: defaults::prefill_tokens_per_s(),
             home_cached_share: defaults::home_cached_share(),
             cold_home_share: defaults::cold_home_share(),
-            shared_only_home_share: defaults::shared_only_home_share(),
+            shared_only_home_share: None,
             recompute_weight: defaults::recompute_weight(),
             peer_pending_weight: defaults::peer_pending_weight(),
             arrival_delay_weight: defaults::arrival_delay_weight(),
@@ -400,17 +401,6 @@ pub mod defaults {
     /// (docs/fleet-state.md, "Key memory").
     pub fn cold_home_share() -> f64 {
         0.25
-    }
-    /// The same as `homeCachedShare`: off. At 0.25 (as `coldHomeShare`),
-    /// in the fleet simulation (16 replicas, five seeds, medians of TTFT
-    /// p95 at one / four gateways), agent 207 / 219 -> 162 / 181 ms with
-    /// session headers and 537 / 1250 -> 148 / 148 without; chat 152 / 177
-    /// -> 150 / 183 and 164 / 212 -> 143 / 214; bursts and ramp within
-    /// 1 ms, groups, tenants, mix and the trace within 1 %
-    /// (docs/fleet-state.md, "A first request known only by its shared
-    /// part"). Not the default yet: the generated suites were not rerun.
-    pub fn shared_only_home_share() -> f64 {
-        0.95
     }
     /// The weight of a request's uncached tokens beyond its own wait: the
     /// prefill it adds delays the requests behind it, and a prefix
@@ -879,7 +869,10 @@ impl RawConfig {
         let shares = [
             ("fleet.homeCachedShare", f.home_cached_share),
             ("fleet.coldHomeShare", f.cold_home_share),
-            ("fleet.sharedOnlyHomeShare", f.shared_only_home_share),
+            (
+                "fleet.sharedOnlyHomeShare",
+                f.shared_only_home_share.unwrap_or(f.home_cached_share),
+            ),
             ("fleet.memoryFloor", f.memory_floor),
             ("fleet.recomputeFullKv", f.recompute_full_kv),
             ("fleet.prefixAffinityShare", f.prefix_affinity_share),
@@ -1034,7 +1027,17 @@ impl RawConfig {
             prefill_tokens_per_s: f.prefill_tokens_per_s as f64,
             home_cached_share: f.home_cached_share,
             cold_home_share: f.cold_home_share.min(f.home_cached_share),
-            shared_only_home_share: f.shared_only_home_share.min(f.home_cached_share),
+            // Unset, the same as `homeCachedShare`: off. At 0.25 (as
+            // `coldHomeShare`), in the fleet simulation (16 replicas, five
+            // seeds, medians of TTFT p95 at one / four gateways), agent
+            // 207 / 219 -> 162 / 181 ms with session headers and 537 / 1250
+            // -> 148 / 148 without, but bursts and ramp sent as one prompt
+            // 6-10 % worse (docs/fleet-state.md, "A first request known
+            // only by its shared part").
+            shared_only_home_share: f
+                .shared_only_home_share
+                .unwrap_or(f.home_cached_share)
+                .min(f.home_cached_share),
             key_memory: f.cold_home_share < f.home_cached_share,
             recompute_weight: f.recompute_weight,
             peer_pending_weight: f.peer_pending_weight,
