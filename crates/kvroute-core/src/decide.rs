@@ -895,16 +895,15 @@ fn scored(
     // so no replica's cost carries `recomputeWeight`: the home's credit is
     // an assumption about where the key's later requests go, not a cache
     // it would duplicate elsewhere.
-    let cold = hits.is_empty() && !continues && moved.is_none();
+    let starts = !continues && moved.is_none();
+    let cold = starts && hits.is_empty();
     // A request that starts a conversation, of a key no gateway placed,
     // which the index knows only as far as the part it shares with other
     // conversations (a system prompt): nothing of its own text is cached
     // anywhere, so the home's credit is an assumption about its later
     // requests, as for a cold one (`sharedOnlyHomeShare`).
-    let shared_only = !cold
-        && !continues
-        && moved.is_none()
-        && hits.iter().all(|&(_, d)| d as usize <= shared_blocks);
+    let shared_only =
+        starts && !hits.is_empty() && hits.iter().all(|&(_, d)| d as usize <= shared_blocks);
     let home_share = if cold {
         f.cold_home_share
     } else if shared_only {

@@ -80,7 +80,10 @@ pub struct Index<'a> {
 /// that block), and the longest earlier request it found whole within
 /// this one ([`Seen::extends`]).
 #[derive(Debug, Clone, Default)]
-pub struct Seen(Vec<(usize, Option<Entry>)>, usize);
+pub struct Seen {
+    read: Vec<(usize, Option<Entry>)>,
+    extends: usize,
+}
 
 impl Seen {
     /// The most blocks of an earlier request, sent to a live owner, that
@@ -89,7 +92,7 @@ impl Seen {
     /// its last block matches), so this one extends it, as a
     /// conversation's next turn extends the previous. 0 when none did.
     pub fn extends(&self) -> usize {
-        self.1
+        self.extends
     }
 }
 
@@ -417,7 +420,7 @@ impl Index<'_> {
         now_ms: u64,
     ) -> (Vec<(u64, u32)>, Seen) {
         let mut found: Vec<(u64, u32)> = Vec::new();
-        let mut seen = Seen(Vec::new(), 0);
+        let mut seen = Seen::default();
         let mut note = |host: u64, depth: u32| match found.iter_mut().find(|(h, _)| *h == host) {
             Some((_, d)) => *d = (*d).max(depth),
             None => found.push((host, depth)),
@@ -434,15 +437,15 @@ impl Index<'_> {
                 continue;
             };
             let entry = self.read(store, cache, block, now_ms);
-            seen.0.push((p, entry));
+            seen.read.push((p, entry));
             let Some(e) = entry else {
                 continue;
             };
             for o in e.owners().iter().take(owners.max(1)) {
                 note(o.host, (p + 1) as u32);
-                let whole = o.depth as usize <= n;
+                // A writer whose request ended here is held whole.
                 if o.depth as usize == p + 1 {
-                    seen.1 = seen.1.max(p + 1);
+                    seen.extends = seen.extends.max(p + 1);
                 }
                 // The writer's last block, if it lies deeper within this
                 // request.
@@ -452,8 +455,8 @@ impl Index<'_> {
                         let d = self.read(store, cache, deep, now_ms);
                         if d.is_some_and(|d| d.owner(o.host).is_some()) {
                             note(o.host, last as u32);
-                            if whole {
-                                seen.1 = seen.1.max(last);
+                            if o.depth as usize <= n {
+                                seen.extends = seen.extends.max(last);
                             }
                         }
                     }
@@ -524,7 +527,7 @@ impl Index<'_> {
                 continue;
             };
             // The slot as the lookup saw it (read now if it did not look).
-            let current = match seen.0.iter().find(|(q, _)| *q == p) {
+            let current = match seen.read.iter().find(|(q, _)| *q == p) {
                 Some((_, e)) => *e,
                 None => self.read(store, cache, block, now_ms),
             }
@@ -794,11 +797,18 @@ mod tests {
         let store = MemorySharedData::default();
         let turn2 = chain(1, 40);
         IX.record(&store, &turn2[..23], 7, 0);
-        let extends = |blocks: &[u64]| {
-            let (_, seen) =
-                IX.lookup_seen(&store, &mut IndexCache::default(), blocks, None, OWNERS, 10);
+        let extends_at = |blocks: &[u64], now_ms: u64| {
+            let (_, seen) = IX.lookup_seen(
+                &store,
+                &mut IndexCache::default(),
+                blocks,
+                None,
+                OWNERS,
+                now_ms,
+            );
             seen.extends()
         };
+        let extends = |blocks: &[u64]| extends_at(blocks, 10);
         assert_eq!(extends(&turn2), 23);
         assert_eq!(extends(&turn2[..23]), 23, "the same prompt again");
         assert_eq!(extends(&turn2[..10]), 0, "a shorter prompt");
@@ -810,15 +820,7 @@ mod tests {
         IX.record(&store, &turn2[..8], 3, 0);
         assert_eq!(extends(&sibling), 8);
         // Expired owners extend nothing.
-        let (_, seen) = IX.lookup_seen(
-            &store,
-            &mut IndexCache::default(),
-            &turn2,
-            None,
-            OWNERS,
-            10_000_000,
-        );
-        assert_eq!(seen.extends(), 0);
+        assert_eq!(extends_at(&turn2, 10_000_000), 0);
     }
 
     #[test]
