@@ -156,6 +156,13 @@
 //! first turns off busy homes); the other families' medians within 2 ms
 //! (docs/fleet-state.md, "Key memory, shared through the collector").
 //!
+//! A request that starts a conversation, of which the index knows only
+//! the part it shares with others (a system prompt), is not cold, and its
+//! home is credited with `sharedOnlyHomeShare`: unset, `homeCachedShare`.
+//! At 0.25 such a request leaves a busy home by cost as a cold one does
+//! (agent's tail in the fleet simulation, docs/fleet-state.md, "A first
+//! request known only by its shared part"); it is off by default.
+//!
 //! The prefix index ([`crate::index`]) is used in both modes. It lives in
 //! shared data, records what this gateway sent where, and needs no
 //! snapshot; it is the gateway's own evidence, not engine data. Without it
