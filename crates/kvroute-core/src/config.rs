@@ -131,8 +131,9 @@ pub struct RawFleet {
     pub home_cached_share: f64,
     #[serde(default = "defaults::cold_home_share")]
     pub cold_home_share: f64,
-    #[serde(default = "defaults::shared_only_home_share")]
-    pub shared_only_home_share: f64,
+    /// Unset: `homeCachedShare`.
+    #[serde(default)]
+    pub shared_only_home_share: Option<f64>,
     #[serde(default = "defaults::recompute_weight")]
     pub recompute_weight: f64,
     #[serde(default = "defaults::peer_pending_weight")]
@@ -177,7 +178,7 @@ impl Default for RawFleet {
             prefill_tokens_per_s: defaults::prefill_tokens_per_s(),
             home_cached_share: defaults::home_cached_share(),
             cold_home_share: defaults::cold_home_share(),
-            shared_only_home_share: defaults::shared_only_home_share(),
+            shared_only_home_share: None,
             recompute_weight: defaults::recompute_weight(),
             peer_pending_weight: defaults::peer_pending_weight(),
             arrival_delay_weight: defaults::arrival_delay_weight(),
@@ -399,18 +400,6 @@ pub mod defaults {
     /// 96 / 97 / 99; chat, groups, mix, bursts and ramp within 2 %
     /// (docs/fleet-state.md, "Key memory").
     pub fn cold_home_share() -> f64 {
-        0.25
-    }
-    /// 0.25, as `coldHomeShare`, measured in the fleet simulation (16
-    /// replicas, five seeds, medians of TTFT p95 at one / four gateways,
-    /// against `homeCachedShare`, 0.95): agent 207 / 219 -> 162 / 181 ms
-    /// with session headers and 537 / 1250 -> 148 / 148 without; chat 152
-    /// / 177 -> 150 / 183 and 164 / 212 -> 143 / 214; bursts 46 / 48 -> 47
-    /// / 49; the other families within 1 ms or 1 %. Bare prompts keep
-    /// `homeCachedShare`: there, at 0.25, bursts were 9-11 % worse and chat
-    /// 5-8 % (docs/fleet-state.md, "A first request known only by its
-    /// shared part").
-    pub fn shared_only_home_share() -> f64 {
         0.25
     }
     /// The weight of a request's uncached tokens beyond its own wait: the
@@ -880,7 +869,10 @@ impl RawConfig {
         let shares = [
             ("fleet.homeCachedShare", f.home_cached_share),
             ("fleet.coldHomeShare", f.cold_home_share),
-            ("fleet.sharedOnlyHomeShare", f.shared_only_home_share),
+            (
+                "fleet.sharedOnlyHomeShare",
+                f.shared_only_home_share.unwrap_or(f.home_cached_share),
+            ),
             ("fleet.memoryFloor", f.memory_floor),
             ("fleet.recomputeFullKv", f.recompute_full_kv),
             ("fleet.prefixAffinityShare", f.prefix_affinity_share),
@@ -1035,9 +1027,19 @@ impl RawConfig {
             prefill_tokens_per_s: f.prefill_tokens_per_s as f64,
             home_cached_share: f.home_cached_share,
             cold_home_share: f.cold_home_share.min(f.home_cached_share),
-            shared_only_home_share: f.shared_only_home_share.min(f.home_cached_share),
+            // Unset, the same as `homeCachedShare`: off. At 0.25 (as
+            // `coldHomeShare`) agent's tail falls in the fleet simulation,
+            // where one collector reads every gateway; with a collector per
+            // gateway (the sidecar layout) the gateways disagree on where
+            // a conversation's first turn went (docs/fleet-state.md, "A
+            // first request known only by its shared part").
+            shared_only_home_share: f
+                .shared_only_home_share
+                .unwrap_or(f.home_cached_share)
+                .min(f.home_cached_share),
             key_memory: f.cold_home_share < f.home_cached_share
-                || f.shared_only_home_share < f.home_cached_share,
+                || f.shared_only_home_share
+                    .is_some_and(|s| s < f.home_cached_share),
             recompute_weight: f.recompute_weight,
             peer_pending_weight: f.peer_pending_weight,
             arrival_delay_weight: f.arrival_delay_weight,

@@ -159,13 +159,17 @@
 //! A request that starts a conversation, of which the index knows only
 //! the part before its first user message (a system prompt other
 //! conversations share), is not cold, and its home is credited with
-//! `sharedOnlyHomeShare` (0.25, as `coldHomeShare`): it leaves a busy home
-//! by cost as a cold one does, and the key memory records where it went.
-//! In the fleet simulation this took agent's TTFT p95 from 219 to 181 ms
-//! at four gateways with session headers and from 1250 to 148 without
-//! (docs/fleet-state.md, "A first request known only by its shared
-//! part"). A bare prompt, whose shared part is learned from traffic,
-//! keeps `homeCachedShare`: there 0.25 made bursts 9-11 % worse.
+//! `sharedOnlyHomeShare`: unset, `homeCachedShare`. At 0.25 (as
+//! `coldHomeShare`) it leaves a busy home by cost as a cold one does, and
+//! the key memory records where it went. In the fleet simulation (one
+//! collector reading every gateway) this took agent's TTFT p95 from 219 to
+//! 181 ms at four gateways with session headers and from 1250 to 148
+//! without; with a collector per gateway the other gateway does not learn
+//! where the first turn went and sends the next turn home, so it is off
+//! by default (docs/fleet-state.md, "A first request known only by its
+//! shared part"). A bare prompt, whose shared part is learned from
+//! traffic, keeps `homeCachedShare` in any case: there 0.25 made bursts
+//! 9-11 % worse.
 //!
 //! The prefix index ([`crate::index`]) is used in both modes. It lives in
 //! shared data, records what this gateway sent where, and needs no
@@ -1573,17 +1577,17 @@ mod tests {
 
     /// A first request of which the index knows only the system prompt it
     /// shares with other conversations has nothing of its own cached
-    /// anywhere: its home is credited as a cold request's
-    /// (`sharedOnlyHomeShare`, 0.25) and a busy home loses it to the
-    /// replica sent the system prompt. With the knob at `homeCachedShare`
-    /// it stays home; so does the same text sent as a bare prompt, keyed
-    /// past a split learned at the same block.
+    /// anywhere: with `sharedOnlyHomeShare` at 0.25 its home is credited
+    /// as a cold request's and a busy home loses it to the replica sent
+    /// the system prompt. By default (`homeCachedShare`) it stays home;
+    /// so does the same text sent as a bare prompt, keyed past a split
+    /// learned at the same block, with the knob at 0.25.
     #[test]
     fn a_first_request_known_only_by_its_shared_part() {
-        let c = cfg();
-        let off = Config::from_json(
+        let off = cfg();
+        let c = Config::from_json(
             br#"{"hosts":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003","127.0.0.1:8004"],
-                 "fleet":{"sharedOnlyHomeShare":0.95}}"#,
+                 "fleet":{"sharedOnlyHomeShare":0.25}}"#,
         )
         .unwrap();
         let bb = c.block_bytes;
@@ -2857,14 +2861,15 @@ mod equivalence {
     /// a busy home by cost, and the gateway remembers where: the key's
     /// next request, which shares half its prompt with the first, follows
     /// it there, where without the memory it goes home. With
-    /// `coldHomeShare` and `sharedOnlyHomeShare` equal to
-    /// `homeCachedShare` (no key memory) the cold request stays home.
+    /// `coldHomeShare` equal to `homeCachedShare` (and
+    /// `sharedOnlyHomeShare` unset: no key memory) the cold request stays
+    /// home.
     #[test]
     fn a_cold_key_placed_off_home_is_remembered() {
         let hosts: Vec<String> = (0..8)
             .map(|i| format!("\"10.0.0.{}:8000\"", i + 1))
             .collect();
-        let off = r#"{"coldHomeShare":0.95,"sharedOnlyHomeShare":0.95}"#;
+        let off = r#"{"coldHomeShare":0.95}"#;
         for (fleet, remembers) in [(off, false), (r#"{"coldHomeShare":0.5}"#, true)] {
             let json = format!(r#"{{"hosts":[{}],"fleet":{fleet}}}"#, hosts.join(","));
             let c = Config::from_json(json.as_bytes()).unwrap();
