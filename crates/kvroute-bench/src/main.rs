@@ -221,7 +221,9 @@ struct SimulateArgs {
     /// Not in the default list: `kvroute-alone`, gateways that read no
     /// other gateway (sidecars without peers), and
     /// `kvroute-oracle-shared-load`, kvroute whose gateways share one
-    /// in-flight load table, an upper bound.
+    /// in-flight load table, an upper bound; `oracle-first-token`, each
+    /// request to the engine where its first token comes soonest, by
+    /// stepping a copy of every engine (perfect knowledge of the present).
     #[arg(long, value_delimiter = ',')]
     routers: Vec<String>,
     /// Simulated engines.

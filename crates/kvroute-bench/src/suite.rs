@@ -801,10 +801,15 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
 /// the placement policy's targets are written in (docs/fleet-state.md). The best peer is the one with the
 /// lowest median p95 (for the hit rate, the highest median); per seed, the
 /// ratio is against that seed's best peer. Nothing when kvroute or every
-/// peer is missing.
+/// peer is missing. The peers are the modelled routers of
+/// [`routers::ALL`]; references that are not routers (the oracles) are not.
 fn scoreboard(s: &mut String, o: &SuiteOptions, rows: &[Row], names: &[String]) {
     const OURS: &str = "kvroute";
-    let peers: Vec<&String> = o.routers.iter().filter(|r| !r.starts_with(OURS)).collect();
+    let peers: Vec<&String> = o
+        .routers
+        .iter()
+        .filter(|r| *r != OURS && routers::ALL.contains(&r.as_str()))
+        .collect();
     if peers.is_empty() || !o.routers.iter().any(|r| r == OURS) {
         return;
     }

@@ -327,6 +327,61 @@ fn gateways_share_load(name: &str) {
     assert!(!routers::ALL.contains(&name), "not in the default list");
 }
 
+/// The oracle of the present sends a request where its first token comes
+/// soonest, by stepping copies of the engines: to the engine that holds
+/// its prompt when both are idle, away from it behind a long queue, and
+/// by what the engines hold, not by their position.
+#[test]
+fn the_first_token_oracle_weighs_a_cached_prompt_against_a_queue() {
+    use kvroute_sim::engine::sched::{NewRequest, Scheduler};
+    let text = |seed: usize, tokens: usize| {
+        let words: String = (0..tokens)
+            .map(|i| format!("w{:03} ", (i * 7 + seed) % 997))
+            .collect();
+        kvroute_sim::engine::chat_prompt(&[("user", words)])
+    };
+    let new = |prompt: &[u8]| NewRequest {
+        model: "m".to_owned(),
+        prompt: prompt.to_vec(),
+        max_tokens: 4,
+    };
+    let prompt = text(0, 4000);
+    let mut warm = Scheduler::new(EngineConfig::default(), 3);
+    warm.submit(new(&prompt), 0.0).unwrap();
+    let mut now = 0.0;
+    while let Some(out) = warm.step(now) {
+        now = out.end();
+    }
+    let cold = Scheduler::new(EngineConfig::default(), 3);
+    let mut oracle =
+        routers::build(routers::ORACLE_FIRST_TOKEN, &routers::Setup::new(2, 1, 3)).unwrap();
+    assert!(oracle.reads_engines());
+    let req = routers::Request {
+        body: b"{}",
+        session: None,
+        messages: &[],
+        prompt: &prompt,
+        model: "m",
+        prompt_tokens: prompt.len().div_ceil(4),
+        max_tokens: 4,
+        objective: None,
+    };
+    let mut pick = |engines: &[&Scheduler]| {
+        oracle.engines_free_at(&[now, now]);
+        oracle.route(0, &req, now, engines).unwrap().engine
+    };
+    assert_eq!(pick(&[&warm, &cold]), 0, "idle: the cached prompt wins");
+    assert_eq!(pick(&[&cold, &warm]), 1, "by content, not position");
+    for seed in 1..=8 {
+        warm.submit(new(&text(seed, 8000)), now).unwrap();
+    }
+    assert_eq!(
+        pick(&[&warm, &cold]),
+        1,
+        "64k tokens queued cost more than 4k cached"
+    );
+}
+
 /// The suite over two seeds: one run per seed of every router, the tables
 /// at the median, and the scoreboard with a ratio per seed that matches the
 /// runs.

@@ -309,6 +309,9 @@ struct Engine {
     gen: u64,
     /// Steps taken, one by one or in runs.
     steps: u64,
+    /// When the step in flight ends (valid while `stepping`, and after
+    /// [`Engine::settle`] for a run).
+    busy_until: f64,
 }
 
 impl Engine {
@@ -322,6 +325,7 @@ impl Engine {
             decodes: None,
             gen: 0,
             steps: 0,
+            busy_until: 0.0,
         }
     }
 
@@ -333,6 +337,7 @@ impl Engine {
             self.sched.decode_run(now, MAX_RUN, &mut self.ends);
             if let (true, Some(&end)) = (self.ends.len() > 1, self.ends.last()) {
                 self.stepping = true;
+                self.busy_until = self.ends.first().copied().unwrap_or(end);
                 self.run = Some(now);
                 return Some(end);
             }
@@ -343,6 +348,7 @@ impl Engine {
         };
         let end = out.end();
         self.stepping = true;
+        self.busy_until = end;
         self.steps += 1;
         self.step = Some(out);
         Some(end)
@@ -362,6 +368,7 @@ impl Engine {
         let d = self.sched.decode(start, started);
         self.steps += d.ends.len() as u64;
         let end = d.ends.last().copied();
+        self.busy_until = end.unwrap_or(self.busy_until);
         let cut = d.ends.len() < n;
         self.decodes = Some(d);
         if cut {
@@ -792,6 +799,18 @@ impl World<'_> {
         };
         if router.reads_engines() {
             settle_all(self.engines, self.q, now);
+            let busy: Vec<f64> = self
+                .engines
+                .iter()
+                .map(|e| {
+                    if e.stepping {
+                        e.busy_until.max(now)
+                    } else {
+                        now
+                    }
+                })
+                .collect();
+            router.engines_free_at(&busy);
         }
         let routed = router.route(gateway, &req, now, &engines_view(self.engines));
         let outcome = routed.and_then(|ticket| {

@@ -41,7 +41,7 @@ use kvroute_core::picker::HostSet;
 use kvroute_core::placed;
 use kvroute_core::usage::{self, Learned, PriorCache};
 use kvroute_core::{Config, Endpoint};
-use kvroute_sim::engine::sched::{Reading, Scheduler, Summary};
+use kvroute_sim::engine::sched::{NewRequest, Reading, Scheduler, SeqEvent, Summary};
 use kvroute_sim::engine::{block_hashes, BLOCK_TOKENS};
 
 use crate::rng::Rng;
@@ -120,6 +120,10 @@ pub trait Router {
     fn reads_engines(&self) -> bool {
         false
     }
+    /// For a router that reads the engines: when each engine's step in
+    /// flight ends (its next step may take a new request), given just
+    /// before [`Router::route`].
+    fn engines_free_at(&mut self, _at_s: &[f64]) {}
     /// Places a request that reached gateway `gw`; `Err` is the answer the
     /// client gets instead (e.g. a 503).
     fn route(
@@ -280,11 +284,15 @@ pub fn build(name: &str, s: &Setup) -> Result<Box<dyn Router>, String> {
         "kvroute" => Box::new(Kvroute::new(s, Layout::Collector)?),
         ALONE => Box::new(Kvroute::new(s, Layout::Alone)?),
         ORACLE_SHARED_LOAD => Box::new(Kvroute::new(s, Layout::Oracle)?),
+        ORACLE_FIRST_TOKEN => Box::new(OracleFirstToken {
+            free_at: Vec::new(),
+        }),
         other => {
             let known = ALL.join(", ");
             return Err(format!(
                 "unknown router {other:?}; known: {known}, {ALONE} (gateways that read no \
-                 other gateway), and {ORACLE_SHARED_LOAD} (an upper bound, not a router)"
+                 other gateway), {ORACLE_SHARED_LOAD} (an upper bound, not a router), and \
+                 {ORACLE_FIRST_TOKEN} (perfect knowledge of the present, not a router)"
             ));
         }
     })
@@ -1502,4 +1510,92 @@ impl Router for Dynamo {
             }
         }
     }
+}
+
+// ------------------------------------------------------------------ oracle
+
+/// Not a router, and not in [`ALL`]: each request goes to the engine on
+/// which its first token would come soonest, found by stepping a copy of
+/// every engine forward with the request added. It sees what no gateway
+/// can: the engines' true queues, batches and caches, and when each one's
+/// step in flight ends. It does not see later arrivals, nor what its
+/// choice costs the requests after it (it is greedy, request by request).
+/// A reference for how much better estimates could give a per-request
+/// placement (docs/fleet-state.md, "What perfect knowledge of the present
+/// gives"). Gateways make no difference to it.
+pub const ORACLE_FIRST_TOKEN: &str = "oracle-first-token";
+
+/// Steps a copy is run at most; an engine whose copy has not given the
+/// request its first token by then is not chosen (unless none has).
+const ORACLE_MAX_STEPS: usize = 50_000;
+
+struct OracleFirstToken {
+    /// When each engine may start its next step (from the simulation).
+    free_at: Vec<f64>,
+}
+
+/// Seconds from `now` to the first token of `req` on a copy of `engine`
+/// that takes it now and starts its next step at `free_at` (None: refused,
+/// or not within [`ORACLE_MAX_STEPS`]).
+fn first_token_s(engine: &Scheduler, req: &NewRequest, now: f64, free_at: f64) -> Option<f64> {
+    let mut copy = engine.clone();
+    let id = copy.submit(req.clone(), now).ok()?;
+    let mut t = free_at.max(now);
+    for _ in 0..ORACLE_MAX_STEPS {
+        let out = copy.step(t)?;
+        let first = out.events.iter().any(|e| match *e {
+            SeqEvent::Token { id: i, index, .. } => i == id && index == 0,
+            SeqEvent::Failed { id: i } => i == id,
+        });
+        if first {
+            return Some(out.end() - now);
+        }
+        t = out.end();
+    }
+    None
+}
+
+impl Router for OracleFirstToken {
+    fn reads_engines(&self) -> bool {
+        true
+    }
+    fn engines_free_at(&mut self, at_s: &[f64]) {
+        self.free_at.clear();
+        self.free_at.extend_from_slice(at_s);
+    }
+    fn name(&self) -> String {
+        ORACLE_FIRST_TOKEN.to_owned()
+    }
+    fn setup(&self) -> String {
+        "not a router: the engine where the request's first token comes soonest, by stepping a copy of each engine forward (true queues, batches and caches; no later arrivals); ties to the engine holding the fewest tokens".to_owned()
+    }
+    fn route(
+        &mut self,
+        _: usize,
+        req: &Request<'_>,
+        now: f64,
+        engines: &[&Scheduler],
+    ) -> Result<Ticket, String> {
+        let new = NewRequest {
+            model: req.model.to_owned(),
+            prompt: req.prompt.to_vec(),
+            max_tokens: req.max_tokens,
+        };
+        let mut best: Option<(f64, usize, usize)> = None;
+        for (e, s) in engines.iter().enumerate() {
+            let free_at = self.free_at.get(e).copied().unwrap_or(now);
+            let ttft = first_token_s(s, &new, now, free_at).unwrap_or(f64::INFINITY);
+            let key = (ttft, s.token_load(), e);
+            if best.is_none_or(|b| (key.0, key.1) < (b.0, b.1)) {
+                best = Some(key);
+            }
+        }
+        let engine = best.map_or(0, |b| b.2);
+        Ok(Ticket {
+            engine,
+            prompt_tokens: req.prompt_tokens as u64,
+            ..Ticket::default()
+        })
+    }
+    fn finished(&mut self, _: usize, _: &Ticket, _: &Summary, _: f64) {}
 }

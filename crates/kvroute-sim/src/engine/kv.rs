@@ -78,7 +78,7 @@ impl Default for Block {
 }
 
 /// The block pool and its prefix cache (hash -> block).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct KvCache {
     blocks: Vec<Block>,
     free: Vec<BlockId>,

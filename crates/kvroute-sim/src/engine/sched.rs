@@ -156,7 +156,7 @@ impl StepOutput {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Seq {
     id: u64,
     seed: u64,
@@ -195,8 +195,10 @@ fn blocks_for(tokens: usize) -> usize {
     tokens.div_ceil(BLOCK_TOKENS)
 }
 
-/// One engine's scheduler state.
-#[derive(Debug)]
+/// One engine's scheduler state. A clone runs on alone: the fleet
+/// simulation's oracle steps copies forward to see where a request's first
+/// token would come soonest.
+#[derive(Debug, Clone)]
 pub struct Scheduler {
     cfg: EngineConfig,
     seed: u64,
