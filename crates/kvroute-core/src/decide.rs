@@ -164,8 +164,9 @@
 //! the key memory records where it went. In the fleet simulation (one
 //! collector reading every gateway) this took agent's TTFT p95 from 219 to
 //! 181 ms at four gateways with session headers and from 1250 to 148
-//! without; with a collector per gateway the other gateway does not learn
-//! where the first turn went and sends the next turn home, so it is off
+//! without; with collectors that read no other gateway the other gateway
+//! does not learn where the first turn went and sends the next turn home
+//! (in the fleet simulation, `kvroute-alone`, every family slowed), so it is off
 //! by default (docs/fleet-state.md, "A first request known only by its
 //! shared part"). A bare prompt, whose shared part is learned from
 //! traffic, keeps `homeCachedShare` in any case: there 0.25 made bursts
