@@ -131,7 +131,8 @@ pub struct RawFleet {
     pub home_cached_share: f64,
     #[serde(default = "defaults::cold_home_share")]
     pub cold_home_share: f64,
-    /// Unset: `homeCachedShare`.
+    /// Unset: [`defaults::SHARED_ONLY_HOME_SHARE_WITH_PEERS`] where the
+    /// snapshot carries other gateways' load, `homeCachedShare` elsewhere.
     #[serde(default)]
     pub shared_only_home_share: Option<f64>,
     #[serde(default = "defaults::recompute_weight")]
@@ -402,6 +403,12 @@ pub mod defaults {
     pub fn cold_home_share() -> f64 {
         0.25
     }
+    /// `sharedOnlyHomeShare` unset, where the gateway's snapshot carries
+    /// other gateways' load (and so their placements): one collector for
+    /// every gateway, or sidecars that read their peers. As
+    /// `coldHomeShare`. docs/fleet-state.md, "A first request known only
+    /// by its shared part".
+    pub const SHARED_ONLY_HOME_SHARE_WITH_PEERS: f64 = 0.25;
     /// The weight of a request's uncached tokens beyond its own wait: the
     /// prefill it adds delays the requests behind it, and a prefix
     /// computed again on a second replica holds KV memory twice.
@@ -645,9 +652,15 @@ pub struct FleetConfig {
     pub cold_home_share: f64,
     /// The home's assumed share for a request that starts a conversation,
     /// whose messages put a part before the first user message, and of
-    /// which the prefix index knows only that part:
-    /// `sharedOnlyHomeShare`, at most `homeCachedShare`.
+    /// which the prefix index knows only that part, where the snapshot
+    /// carries no other gateway's load: `sharedOnlyHomeShare` (unset,
+    /// `homeCachedShare`), at most `homeCachedShare`.
     pub shared_only_home_share: f64,
+    /// The same where the snapshot carries other gateways' load (so this
+    /// gateway learns where they placed a key, and they learn its
+    /// placements): `sharedOnlyHomeShare` (unset, 0.25), at most
+    /// `homeCachedShare`.
+    pub shared_only_with_peers: f64,
     /// Whether this gateway remembers where it placed a key's cold
     /// request, and shares it (`coldHomeShare` or `sharedOnlyHomeShare`
     /// below `homeCachedShare`: such a request may leave its home).
@@ -1027,19 +1040,24 @@ impl RawConfig {
             prefill_tokens_per_s: f.prefill_tokens_per_s as f64,
             home_cached_share: f.home_cached_share,
             cold_home_share: f.cold_home_share.min(f.home_cached_share),
-            // Unset, the same as `homeCachedShare`: off. At 0.25 (as
-            // `coldHomeShare`) agent's tail falls in the fleet simulation,
-            // where one collector reads every gateway; with a collector per
-            // gateway (the sidecar layout) the gateways disagree on where
-            // a conversation's first turn went (docs/fleet-state.md, "A
-            // first request known only by its shared part").
+            // Unset: 0.25 where the snapshot carries other gateways' load,
+            // off (`homeCachedShare`) elsewhere. Gateways that read no
+            // other gateway disagree on where a conversation's first turn
+            // went when it leaves home, and a single gateway cannot be
+            // told from those (docs/fleet-state.md, "A first request known
+            // only by its shared part").
             shared_only_home_share: f
                 .shared_only_home_share
                 .unwrap_or(f.home_cached_share)
                 .min(f.home_cached_share),
+            shared_only_with_peers: f
+                .shared_only_home_share
+                .unwrap_or(defaults::SHARED_ONLY_HOME_SHARE_WITH_PEERS)
+                .min(f.home_cached_share),
             key_memory: f.cold_home_share < f.home_cached_share
                 || f.shared_only_home_share
-                    .is_some_and(|s| s < f.home_cached_share),
+                    .unwrap_or(defaults::SHARED_ONLY_HOME_SHARE_WITH_PEERS)
+                    < f.home_cached_share,
             recompute_weight: f.recompute_weight,
             peer_pending_weight: f.peer_pending_weight,
             arrival_delay_weight: f.arrival_delay_weight,

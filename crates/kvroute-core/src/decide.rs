@@ -159,18 +159,20 @@
 //! A request that starts a conversation, of which the index knows only
 //! the part before its first user message (a system prompt other
 //! conversations share), is not cold, and its home is credited with
-//! `sharedOnlyHomeShare`: unset, `homeCachedShare`. At 0.25 (as
-//! `coldHomeShare`) it leaves a busy home by cost as a cold one does, and
-//! the key memory records where it went. In the fleet simulation (one
-//! collector reading every gateway) this took agent's TTFT p95 from 219 to
-//! 181 ms at four gateways with session headers and from 1250 to 148
-//! without; with collectors that read no other gateway the other gateway
-//! does not learn where the first turn went and sends the next turn home
-//! (in the fleet simulation, `kvroute-alone`, every family slowed), so it is off
-//! by default (docs/fleet-state.md, "A first request known only by its
-//! shared part"). A bare prompt, whose shared part is learned from
-//! traffic, keeps `homeCachedShare` in any case: there 0.25 made bursts
-//! 9-11 % worse.
+//! `sharedOnlyHomeShare`. At 0.25 (as `coldHomeShare`) it leaves a busy
+//! home by cost as a cold one does, and the key memory records where it
+//! went. Unset, it is 0.25 where the snapshot carries other gateways' load
+//! (`peerPendingTokens`: one collector for every gateway, or sidecars that
+//! read their peers), so every gateway learns where the request went, and
+//! `homeCachedShare` elsewhere: gateways that read no other gateway would
+//! send the next turn home (in the fleet simulation, `kvroute-alone`, four
+//! gateways, every family slowed and stickiness fell 2-7 points), and a
+//! single gateway cannot be told from those. With other gateways' load it
+//! took agent's TTFT p95 from 219 to 181 ms at four gateways with session
+//! headers and from 1250 to 148 without (docs/fleet-state.md, "A first
+//! request known only by its shared part"). A bare prompt, whose shared
+//! part is learned from traffic, keeps `homeCachedShare` in any case:
+//! there 0.25 made bursts 9-11 % worse.
 //!
 //! The prefix index ([`crate::index`]) is used in both modes. It lives in
 //! shared data, records what this gateway sent where, and needs no
@@ -610,6 +612,10 @@ struct Replica {
     /// plus the other gateways' (`peerArrivalsPerS`) where its data is
     /// current.
     arrivals: f64,
+    /// Its current data carries other gateways' load
+    /// (`peerPendingTokens`): the collector reads them, and hands each
+    /// gateway the others' placements.
+    peers: bool,
 }
 
 impl Replica {
@@ -627,6 +633,7 @@ impl Replica {
             capacity: None,
             kv: 0.0,
             arrivals,
+            peers: false,
         }
     }
 }
@@ -724,6 +731,7 @@ fn observed(
             capacity,
             kv: st.kv_utilization.clamp(0.0, 1.0),
             arrivals: arrivals + st.peer_arrivals_per_s.unwrap_or(0.0),
+            peers: st.peer_pending_tokens.is_some(),
         });
     }
     (replicas, degraded)
@@ -921,13 +929,18 @@ fn scored(
     // messages say where that part ends: a bare prompt's shared part is
     // learned from traffic (a split), and there the home's full credit
     // measured better (docs/fleet-state.md, "A first request known only
-    // by its shared part").
+    // by its shared part"). Unset, the rule applies only where the
+    // snapshot carries other gateways' load: there every gateway learns
+    // where the request went. Gateways that read no other gateway would
+    // send its next turn home.
     let shared_only = starts
         && facts.shared_blocks > 0
         && !hits.is_empty()
         && hits.iter().all(|&(_, d)| d as usize <= shared_blocks);
     let home_share = if cold {
         f.cold_home_share
+    } else if shared_only && replicas.iter().any(|r| r.peers) {
+        f.shared_only_with_peers
     } else if shared_only {
         f.shared_only_home_share
     } else {
@@ -1630,6 +1643,51 @@ mod tests {
             let d = pick(config, f, &table, &[(other.id, 16)]);
             let to = &d.targets[0];
             assert_eq!(to != &home, leaves, "{d:?}");
+            if leaves {
+                assert_eq!(to, &other.addr, "{d:?}");
+            }
+        }
+        // With a snapshot: unset, the rule applies where the snapshot
+        // carries other gateways' load (`peerPendingTokens`, even 0), so
+        // that every gateway learns where the request went; without it,
+        // only when set.
+        let snapshot = |peers: bool| {
+            let hosts: Vec<(&str, bool, f64, u32, &[&str])> = c
+                .hosts
+                .iter()
+                .map(|h| (h.addr.as_str(), true, 0.3, 0, &[][..]))
+                .collect();
+            let mut v = view(&hosts, 0);
+            for h in &mut v.hosts {
+                h.state.peer_pending_tokens = peers.then_some(0);
+            }
+            v
+        };
+        let pick_seen = |config: &Config, v: &FleetView, table: &LoadTable, hits: &[(u64, u32)]| {
+            let keyed = Keyed {
+                affinity: f.affinity,
+                subset: None,
+                moved: None,
+                shared_blocks: 16,
+                continues: false,
+            };
+            pick_keyed(config, &f, keyed, Some(v), table, hits, 1000)
+        };
+        for (config, peers, leaves) in [(&off, true, true), (&off, false, false), (&c, false, true)]
+        {
+            let v = snapshot(peers);
+            let home = pick_seen(config, &v, &LoadTable::default(), &[]).targets[0].clone();
+            let home_id = c.hosts.iter().find(|h| h.addr == home).unwrap().id;
+            let other = c.hosts.iter().find(|h| h.addr != home).unwrap();
+            let mut table = LoadTable::default();
+            table.add(Charge {
+                host: home_id,
+                prefill: f.input_tokens,
+                memory: 0,
+            });
+            let d = pick_seen(config, &v, &table, &[(other.id, 16)]);
+            let to = &d.targets[0];
+            assert_eq!(to != &home, leaves, "peers {peers}: {d:?}");
             if leaves {
                 assert_eq!(to, &other.addr, "{d:?}");
             }
@@ -2862,15 +2920,14 @@ mod equivalence {
     /// a busy home by cost, and the gateway remembers where: the key's
     /// next request, which shares half its prompt with the first, follows
     /// it there, where without the memory it goes home. With
-    /// `coldHomeShare` equal to `homeCachedShare` (and
-    /// `sharedOnlyHomeShare` unset: no key memory) the cold request stays
-    /// home.
+    /// `coldHomeShare` and `sharedOnlyHomeShare` equal to
+    /// `homeCachedShare` (no key memory) the cold request stays home.
     #[test]
     fn a_cold_key_placed_off_home_is_remembered() {
         let hosts: Vec<String> = (0..8)
             .map(|i| format!("\"10.0.0.{}:8000\"", i + 1))
             .collect();
-        let off = r#"{"coldHomeShare":0.95}"#;
+        let off = r#"{"coldHomeShare":0.95,"sharedOnlyHomeShare":0.95}"#;
         for (fleet, remembers) in [(off, false), (r#"{"coldHomeShare":0.5}"#, true)] {
             let json = format!(r#"{{"hosts":[{}],"fleet":{fleet}}}"#, hosts.join(","));
             let c = Config::from_json(json.as_bytes()).unwrap();
