@@ -1616,37 +1616,6 @@ mod tests {
             serde_json::to_vec(&json!({"model": "llama", "prompt": system + &question})).unwrap();
         let bare = analyze(&c, Endpoint::Completions, None, &bare).unwrap();
         assert!(!bare.continues && bare.shared_blocks == 0 && bare.bare_digest.is_some());
-        // Both keyed as `route` keys them past a shared part of 16 blocks
-        // (the bare prompt's learned).
-        let pick = |config: &Config, f: &Facts, table: &LoadTable, hits: &[(u64, u32)]| {
-            let keyed = Keyed {
-                affinity: f.affinity,
-                subset: None,
-                moved: None,
-                shared_blocks: 16,
-                continues: false,
-            };
-            pick_keyed(config, f, keyed, None, table, hits, 0)
-        };
-        for (config, f, leaves) in [(&c, &f, true), (&off, &f, false), (&c, &bare, false)] {
-            let home = pick(config, f, &LoadTable::default(), &[]).targets[0].clone();
-            let home_id = c.hosts.iter().find(|h| h.addr == home).unwrap().id;
-            let other = c.hosts.iter().find(|h| h.addr != home).unwrap();
-            // Another replica was sent the system prompt; the home has a
-            // prompt's worth of prefill pending.
-            let mut table = LoadTable::default();
-            table.add(Charge {
-                host: home_id,
-                prefill: f.input_tokens,
-                memory: 0,
-            });
-            let d = pick(config, f, &table, &[(other.id, 16)]);
-            let to = &d.targets[0];
-            assert_eq!(to != &home, leaves, "{d:?}");
-            if leaves {
-                assert_eq!(to, &other.addr, "{d:?}");
-            }
-        }
         // With a snapshot: unset, the rule applies where the snapshot
         // carries other gateways' load (`peerPendingTokens`, even 0), so
         // that every gateway learns where the request went; without it,
@@ -1663,7 +1632,13 @@ mod tests {
             }
             v
         };
-        let pick_seen = |config: &Config, v: &FleetView, table: &LoadTable, hits: &[(u64, u32)]| {
+        // Both keyed as `route` keys them past a shared part of 16 blocks
+        // (the bare prompt's learned).
+        let pick = |config: &Config,
+                    f: &Facts,
+                    v: Option<&FleetView>,
+                    table: &LoadTable,
+                    hits: &[(u64, u32)]| {
             let keyed = Keyed {
                 affinity: f.affinity,
                 subset: None,
@@ -1671,23 +1646,31 @@ mod tests {
                 shared_blocks: 16,
                 continues: false,
             };
-            pick_keyed(config, &f, keyed, Some(v), table, hits, 1000)
+            pick_keyed(config, f, keyed, v, table, hits, 1000)
         };
-        for (config, peers, leaves) in [(&off, true, true), (&off, false, false), (&c, false, true)]
-        {
-            let v = snapshot(peers);
-            let home = pick_seen(config, &v, &LoadTable::default(), &[]).targets[0].clone();
+        let (with_peers, without_peers) = (snapshot(true), snapshot(false));
+        for (config, f, v, leaves) in [
+            (&c, &f, None, true),
+            (&off, &f, None, false),
+            (&c, &bare, None, false),
+            (&off, &f, Some(&with_peers), true),
+            (&off, &f, Some(&without_peers), false),
+            (&c, &f, Some(&without_peers), true),
+        ] {
+            let home = pick(config, f, v, &LoadTable::default(), &[]).targets[0].clone();
             let home_id = c.hosts.iter().find(|h| h.addr == home).unwrap().id;
             let other = c.hosts.iter().find(|h| h.addr != home).unwrap();
+            // Another replica was sent the system prompt; the home has a
+            // prompt's worth of prefill pending.
             let mut table = LoadTable::default();
             table.add(Charge {
                 host: home_id,
                 prefill: f.input_tokens,
                 memory: 0,
             });
-            let d = pick_seen(config, &v, &table, &[(other.id, 16)]);
+            let d = pick(config, f, v, &table, &[(other.id, 16)]);
             let to = &d.targets[0];
-            assert_eq!(to != &home, leaves, "peers {peers}: {d:?}");
+            assert_eq!(to != &home, leaves, "snapshot {}: {d:?}", v.is_some());
             if leaves {
                 assert_eq!(to, &other.addr, "{d:?}");
             }
