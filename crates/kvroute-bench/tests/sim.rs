@@ -139,7 +139,8 @@ fn every_router_completes_every_request_and_the_figures_hold() {
 
 /// `simulate --records`: one line per answered request, agreeing with the
 /// run's summary (count, hit rate, conversation split); kvroute's lines
-/// carry its reason, a peer's none; without the option, no lines.
+/// carry its reason and expected hit (adding up to its counter), a peer's
+/// neither; without the option, no lines.
 #[test]
 fn the_records_agree_with_the_summary() {
     let wl = chat_on_4();
@@ -183,6 +184,16 @@ fn the_records_agree_with_the_summary() {
         turns.sort_unstable();
         turns.dedup();
         assert_eq!(turns.len(), lines.len(), "{router}");
+        // kvroute's expected hits add up to its answers' counter (the
+        // same engine tokens); a peer's lines have none.
+        let expected: u64 = lines.iter().filter_map(|l| l.expected_cached_tokens).sum();
+        let counted = out
+            .counters
+            .get("kvroute_prefix_expected_tokens_total")
+            .copied()
+            .unwrap_or(0);
+        assert_eq!(expected, counted, "{router}");
+        assert_eq!(expected > 0, router == "kvroute", "{router}");
     }
     assert!(run("kvroute", false).records.is_empty());
 }

@@ -174,6 +174,12 @@ pub struct Line {
     /// kvroute's affinity key, in hex; absent for the peers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
+    /// kvroute: the prompt's cached part the decision expected on its
+    /// primary, in engine tokens (the gateway's estimate scaled by this
+    /// prompt's engine tokens over its estimate); absent when it expected
+    /// no hit, and for the peers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expected_cached_tokens: Option<u64>,
 }
 
 /// A run's summary, and what is measured outside it.
@@ -927,6 +933,10 @@ impl World<'_> {
                 completion_tokens: summary.completion_tokens as u64,
                 reason: f.ticket.reason,
                 key: f.ticket.key.map(|k| format!("{k:016x}")),
+                expected_cached_tokens: f.ticket.expectation.as_ref().map(|e| {
+                    let scale = summary.prompt_tokens as f64 / e.input_tokens.max(1) as f64;
+                    (e.expected_cached as f64 * scale).round() as u64
+                }),
             });
         }
         self.tally.completed(
