@@ -220,8 +220,9 @@ struct SimulateArgs {
     /// placements from their collector, as the real collector gives them.
     /// Not in the default list: `kvroute-alone`, gateways that read no
     /// other gateway (sidecars without peers), and
-    /// `kvroute-oracle-shared-load`, kvroute whose gateways share one
-    /// in-flight load table, an upper bound; `oracle-first-token`, each
+    /// `kvroute-oracle-shared-load` and `kvroute-oracle-shared-index`,
+    /// kvroute whose gateways share one in-flight load table or one prefix
+    /// index, upper bounds; `oracle-first-token`, each
     /// request to the engine where its first token comes soonest, by
     /// stepping a copy of every engine (perfect knowledge of the present).
     #[arg(long, value_delimiter = ',')]

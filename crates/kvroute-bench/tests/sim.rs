@@ -305,30 +305,36 @@ fn admission_sheds_the_sheddable_and_protects_the_rest_under_overload() {
     );
 }
 
-/// The oracle that shares one load table between gateways, and kvroute
-/// whose gateways read no other gateway, are kvroute itself at one
-/// gateway; at several they see the other gateways' dispatches otherwise
-/// (exactly, or not at all), so they decide otherwise on a loaded fleet.
+/// The oracles that share one load table or one prefix index between
+/// gateways, and kvroute whose gateways read no other gateway, are
+/// kvroute itself at one gateway; at several they see the other gateways'
+/// dispatches otherwise (exactly, or not at all), so they decide
+/// otherwise on a loaded fleet (the index on a family whose prompts are
+/// reused: the mix's are not).
 #[test]
 fn the_gateway_layouts_are_kvroute_at_one_gateway() {
-    for name in [routers::ORACLE_SHARED_LOAD, routers::ALONE] {
-        gateways_share_load(name);
+    for (name, family) in [
+        (routers::ORACLE_SHARED_LOAD, "mix"),
+        (routers::ORACLE_SHARED_INDEX, "chat"),
+        (routers::ALONE, "mix"),
+    ] {
+        gateways_share_load(name, family);
     }
 }
 
-fn gateways_share_load(name: &str) {
+fn gateways_share_load(name: &str, family: &str) {
     let one = options(4, 1);
     let (k, o) = (
-        run("mix", "kvroute", &one, 30.0),
-        run("mix", name, &one, 30.0),
+        run(family, "kvroute", &one, 30.0),
+        run(family, name, &one, 30.0),
     );
     assert_eq!(o.router, name);
     assert_eq!(k.ttft_ms, o.ttft_ms, "one gateway: the same decisions");
     assert_eq!(k.per_engine_requests, o.per_engine_requests);
     let four = options(4, 4);
     let (k, o) = (
-        run("mix", "kvroute", &four, 30.0),
-        run("mix", name, &four, 30.0),
+        run(family, "kvroute", &four, 30.0),
+        run(family, name, &four, 30.0),
     );
     assert_eq!(k.requests, o.requests);
     assert_ne!(

@@ -198,6 +198,16 @@ pub const ALL: &[&str] = &[
 /// is kvroute.
 pub const ORACLE_SHARED_LOAD: &str = "kvroute-oracle-shared-load";
 
+/// Not a deployable router, and not in [`ALL`]: kvroute whose K gateways
+/// read and write one prefix index, instantly and exactly (its slots, key
+/// memory included; each worker's cache of recently read slots stays its
+/// own). Snapshots and the in-flight load are as `kvroute`'s (one
+/// collector: the other gateways' pending prefill and placements). An
+/// upper bound on what sharing the index between gateways could give
+/// (docs/fleet-state.md, "Several gateways: what the gap is"). At K = 1 it
+/// is kvroute.
+pub const ORACLE_SHARED_INDEX: &str = "kvroute-oracle-shared-index";
+
 /// Not in [`ALL`]: kvroute whose gateways read no other gateway: each
 /// gateway's collector reads only the engines, so no snapshot carries the
 /// other gateways' pending prefill (`peerPendingTokens`) or their key
@@ -284,6 +294,7 @@ pub fn build(name: &str, s: &Setup) -> Result<Box<dyn Router>, String> {
         "kvroute" => Box::new(Kvroute::new(s, Layout::Collector)?),
         ALONE => Box::new(Kvroute::new(s, Layout::Alone)?),
         ORACLE_SHARED_LOAD => Box::new(Kvroute::new(s, Layout::Oracle)?),
+        ORACLE_SHARED_INDEX => Box::new(Kvroute::new(s, Layout::OracleIndex)?),
         ORACLE_FIRST_TOKEN => Box::new(OracleFirstToken {
             free_at: Vec::new(),
         }),
@@ -291,7 +302,8 @@ pub fn build(name: &str, s: &Setup) -> Result<Box<dyn Router>, String> {
             let known = ALL.join(", ");
             return Err(format!(
                 "unknown router {other:?}; known: {known}, {ALONE} (gateways that read no \
-                 other gateway), {ORACLE_SHARED_LOAD} (an upper bound, not a router), and \
+                 other gateway), {ORACLE_SHARED_LOAD} and {ORACLE_SHARED_INDEX} (upper \
+                 bounds, not routers), and \
                  {ORACLE_FIRST_TOKEN} (perfect knowledge of the present, not a router)"
             ));
         }
@@ -334,16 +346,20 @@ struct KvGateway {
 
 /// A gateway's shared data. With `load` set, the in-flight load table
 /// (`cfg.load_key`) is one store for every gateway: the oracle mode of
-/// [`ORACLE_SHARED_LOAD`]; everything else stays per gateway.
+/// [`ORACLE_SHARED_LOAD`]. With `index` set, so are the prefix index's
+/// slots (the keys under its prefix): [`ORACLE_SHARED_INDEX`]. Everything
+/// else stays per gateway.
 struct GatewayStore {
     own: MemorySharedData,
     load: Option<(Rc<MemorySharedData>, String)>,
+    index: Option<(Rc<MemorySharedData>, String)>,
 }
 
 impl GatewayStore {
     fn pick(&self, key: &str) -> &MemorySharedData {
-        match &self.load {
-            Some((shared, k)) if k == key => shared,
+        match (&self.load, &self.index) {
+            (Some((shared, k)), _) if k == key => shared,
+            (_, Some((shared, prefix))) if key.starts_with(prefix.as_str()) => shared,
             _ => &self.own,
         }
     }
@@ -378,6 +394,9 @@ enum Layout {
     /// (no `peerPendingTokens`, the table has it exactly); placements as
     /// `Collector`.
     Oracle,
+    /// [`ORACLE_SHARED_INDEX`]: one prefix index for every gateway;
+    /// snapshots as `Collector`.
+    OracleIndex,
 }
 
 /// kvroute-core's request path, per gateway, as the filter runs it.
@@ -419,6 +438,7 @@ impl Kvroute {
         let bytes = serde_json::to_vec(&json).map_err(|e| e.to_string())?;
         let cfg = Config::from_json(&bytes).map_err(|e| format!("kvroute config: {e}"))?;
         let shared_load = Rc::new(MemorySharedData::default());
+        let shared_index = Rc::new(MemorySharedData::default());
         let fleet = HostSet::new(addresses.iter().cloned());
         Ok(Self {
             gateways: (0..gateways)
@@ -427,6 +447,9 @@ impl Kvroute {
                         own: MemorySharedData::default(),
                         load: (layout == Layout::Oracle)
                             .then(|| (Rc::clone(&shared_load), cfg.load_key.clone())),
+                        index: (layout == Layout::OracleIndex).then(|| {
+                            (Rc::clone(&shared_index), cfg.fleet.index_key_prefix.clone())
+                        }),
                     },
                     metrics: Tally::default(),
                     workers: (0..s.workers.max(1)).map(|_| KvWorker::new(&cfg)).collect(),
@@ -481,6 +504,7 @@ impl Router for Kvroute {
             Layout::Collector => "kvroute",
             Layout::Alone => ALONE,
             Layout::Oracle => ORACLE_SHARED_LOAD,
+            Layout::OracleIndex => ORACLE_SHARED_INDEX,
         }
         .to_owned()
     }
@@ -513,7 +537,7 @@ impl Router for Kvroute {
         // listener's answer), read at the push, summed by address. A
         // collector that pushes to one gateway reads none.
         let others = self.gateways.len() > 1;
-        let peer_load = others && self.layout == Layout::Collector;
+        let peer_load = others && matches!(self.layout, Layout::Collector | Layout::OracleIndex);
         let peer_placements = others && self.layout != Layout::Alone;
         let hosts = &self.fleet;
         let now_ms = self.now_ms(now_s);
