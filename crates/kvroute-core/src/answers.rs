@@ -129,6 +129,17 @@ impl Expectation {
     }
 }
 
+impl Expectation {
+    /// Engine tokens per gateway token, by the engine's count of the
+    /// prompt (1 when the answer does not say).
+    pub fn scale(&self, engine_prompt_tokens: Option<u64>) -> f64 {
+        match engine_prompt_tokens {
+            Some(p) if p > 0 && self.input_tokens > 0 => p as f64 / self.input_tokens as f64,
+            _ => 1.0,
+        }
+    }
+}
+
 /// Whether the answer of stream `stream_id` is read: the output-length
 /// sample ([`usage::observed`]), and every answer with an expectation.
 ///
@@ -166,11 +177,7 @@ pub fn learn(
     now_ms: u64,
 ) -> Option<Verdict> {
     let reported = learned.cached_tokens?;
-    // Engine tokens per gateway token (1 when the answer does not say).
-    let scale = match learned.prompt_tokens {
-        Some(p) if p > 0 && exp.input_tokens > 0 => p as f64 / exp.input_tokens as f64,
-        _ => 1.0,
-    };
+    let scale = exp.scale(learned.prompt_tokens);
     // An engine cannot have cached more than the prompt.
     let cached = learned.prompt_tokens.map_or(reported, |p| reported.min(p));
     let expected = (exp.expected_cached as f64 * scale).round() as u64;

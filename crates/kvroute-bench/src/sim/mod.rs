@@ -175,8 +175,8 @@ pub struct Line {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
     /// kvroute: the prompt's cached part the decision expected on its
-    /// primary, in engine tokens (the gateway's estimate scaled by this
-    /// prompt's engine tokens over its estimate); absent when it expected
+    /// primary, in engine tokens (scaled as its answer is,
+    /// [`kvroute_core::answers::Expectation::scale`]); absent when it expected
     /// no hit, and for the peers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expected_cached_tokens: Option<u64>,
@@ -934,7 +934,7 @@ impl World<'_> {
                 reason: f.ticket.reason,
                 key: f.ticket.key.map(|k| format!("{k:016x}")),
                 expected_cached_tokens: f.ticket.expectation.as_ref().map(|e| {
-                    let scale = summary.prompt_tokens as f64 / e.input_tokens.max(1) as f64;
+                    let scale = e.scale(Some(summary.prompt_tokens as u64));
                     (e.expected_cached as f64 * scale).round() as u64
                 }),
             });
