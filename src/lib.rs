@@ -985,7 +985,7 @@ impl Ingest {
 
     /// This gateway's load table by address: the hosts of the stored
     /// snapshot and the configured ones.
-    fn answer_load(&mut self, with_placed: bool) -> Action {
+    fn answer_load(&mut self, with_placed: bool, with_last_blocks: bool) -> Action {
         let cfg = &self.shared.config;
         let table = load::read(&HostSharedData, &cfg.load_key);
         let (view, _) = self.shared.fleet.borrow_mut().refresh(cfg, &HostSharedData);
@@ -997,6 +997,15 @@ impl Ingest {
         if with_placed {
             let placed = placed::report(&HostSharedData, &cfg.fleet.placed_key, &known, now_ms());
             report.placed = Some(placed);
+        }
+        // The ingest listener has its own config: it reports the ring,
+        // empty when the router shares none (`fleet.shareLastBlocks`
+        // off), and the collector gives any gateway whose report has the
+        // field the others' (the router ignores them when sharing is off).
+        if with_last_blocks {
+            let key = &cfg.fleet.last_blocks_key;
+            let last = placed::report_last(&HostSharedData, key, &known, now_ms());
+            report.last_blocks = Some(last);
         }
         let body = report.to_json();
         json_reply(200, std::str::from_utf8(&body).ok());
@@ -1033,7 +1042,10 @@ impl HttpContext for Ingest {
             return self.answer(Outcome::Unauthorized);
         }
         if ask == Ask::Load {
-            return self.answer_load(ingest::wants_placed(&path));
+            return self.answer_load(
+                ingest::wants_placed(&path),
+                ingest::wants_last_blocks(&path),
+            );
         }
         let declared = header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
         if declared.is_some_and(|n| n > self.limit()) {

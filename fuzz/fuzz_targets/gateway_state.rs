@@ -7,7 +7,8 @@
 //!   data (written by any worker of any plugin version sharing the key, or
 //!   corrupt);
 //! - the same bytes planted as every shared-data value a request reads:
-//!   the load table, the placement ring ([`kvroute_core::placed`]), and
+//!   the load table, the placement and last-block rings
+//!   ([`kvroute_core::placed`]), and
 //!   (after the block hash each must name) the prefix-index slots of the
 //!   request's blocks and of its key memory; then one request is
 //!   routed, charged, released, and the ring is read and appended to, as
@@ -18,8 +19,9 @@
 //! its bounds and survives a JSON round trip; a decoded table survives an
 //! encode/decode round trip, and the report a gateway makes of it is one
 //! a collector accepts; whatever shared data holds, the request gets 1 to
-//! `fallbacks + 1` targets, the ring stays within `placed::RING`, and a note
-//! after a report loses at most the one entry it pushes out.
+//! `fallbacks + 1` targets, the rings stay within `placed::RING` and
+//! `placed::LAST_RING`, and a note after a report loses at most the one
+//! entry it pushes out.
 
 #![no_main]
 
@@ -60,6 +62,7 @@ fuzz_target!(|bytes: &[u8]| {
     if let Ok(r) = LoadReport::from_json(bytes) {
         assert!(r.hosts.len() <= MAX_HOSTS);
         assert!(r.placed.as_ref().map_or(0, Vec::len) <= placed::RING);
+        assert!(r.last_blocks.as_ref().map_or(0, Vec::len) <= placed::LAST_RING);
         // A round trip keeps everything; a rate may move by an ulp or two
         // (serde_json's default float parsing is not exact for every
         // value, found by this target).
@@ -97,7 +100,11 @@ fuzz_target!(|bytes: &[u8]| {
         panic!("the fixed body no longer parses");
     };
     let store = MemorySharedData::default();
-    for key in [&cfg.load_key, &cfg.fleet.placed_key] {
+    for key in [
+        &cfg.load_key,
+        &cfg.fleet.placed_key,
+        &cfg.fleet.last_blocks_key,
+    ] {
         assert!(store.set(key, bytes, None).is_ok());
     }
     // An index entry is read only if it names the block it is looked up
@@ -136,4 +143,12 @@ fuzz_target!(|bytes: &[u8]| {
     // The ring is now within RING entries and was just read: one more
     // note pushes out at most one entry.
     assert!(placed::note(&store, &cfg.fleet.placed_key, 8, 7, NOW_MS) <= 1);
+    // The last-block ring likewise, once a report has read it.
+    let last = &cfg.fleet.last_blocks_key;
+    placed::report_last(&store, last, &[&cfg.hosts], NOW_MS);
+    assert!(placed::note_last(&store, last, 7, 3, 7, NOW_MS).is_some());
+    let reported = placed::report_last(&store, last, &[&cfg.hosts], NOW_MS);
+    assert!(reported.len() <= placed::LAST_RING);
+    let lost = placed::note_last(&store, last, 8, 3, 7, NOW_MS);
+    assert!(lost.is_some_and(|n| n <= 1));
 });

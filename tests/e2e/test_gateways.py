@@ -19,7 +19,10 @@ may only confirm that choice. These tests check the behaviour, not timings:
   wait;
 - with key memory (`fleet.coldHomeShare`), a key that one gateway placed off
   its busy home reaches the other gateway through the collector, which then
-  sends the key there too.
+  sends the key there too;
+- likewise each request's last block (`fleet.shareLastBlocks`): a
+  conversation's next turn on the other gateway goes where its previous
+  turn went.
 """
 
 from __future__ import annotations
@@ -449,3 +452,77 @@ def test_a_key_placed_off_home_follows_to_the_other_gateway(stack_factory, wasm_
     # a report carried it.
     assert metric(a, "kvroute_placements_noted_total") >= len(served)
     assert metric(a, "kvroute_placements_lost_total") == 0
+
+
+def test_a_conversations_next_turn_follows_its_last_block_to_the_other_gateway(
+        stack_factory, wasm_path, collector_binary):
+    """Two gateways, one collector: gateway a sends each conversation's first
+    turn, off its busy home for those whose home holds a long prompt, and
+    reports each turn's last block (`GET /v1/fleet/load?lastBlocks=1`); the
+    collector hands them to b, which sends each second turn, never seen
+    there before, where the first turn went. Key memory is off
+    (`coldHomeShare` and `sharedOnlyHomeShare` at `homeCachedShare`), so
+    only the last blocks tell b: without them b would send a moved
+    conversation home."""
+    overrides = {"fleet": {"coldHomeShare": 0.95, "sharedOnlyHomeShare": 0.95}, "explainHeader": True}
+    a = stack_factory(replicas=4, concurrency=2, ingest_token=TOKEN, plugin_overrides=overrides)
+    b = stack_factory(fleet_of=a, concurrency=2, ingest_token=TOKEN, plugin_overrides=overrides)
+    for host in a.live_hosts:
+        a.replica_control(host, ready=True, running=2, models=["test-model"], kv=0.3, waiting=0)
+    a.start_collector(binary=collector_binary, gateways=[a.ingest_url, b.ingest_url],
+                      interval_ms=COLLECTOR_INTERVAL_MS, metrics_port=harness.free_ports(1)[0],
+                      collector_id="shared")
+    for gw in (a, b):
+        wait_until(lambda gw=gw: metric(gw, "kvroute_fleet_hosts") == 4, 10.0, "four replicas in the snapshot")
+    # The collector has read a's last blocks: a writes them from now on.
+    wait_until(lambda: metric(b, "kvroute_ingest_accepted_total") >= 3, 10.0, "a few collector rounds")
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    held = pool.submit(send, a.gateway_url, CHAT,
+                       json_body=chat_body(user_text="held " + filler("held-last", 120_000)),
+                       session="held-last", headers={BODY_DELAY_HEADER: "4000"}, timeout=20)
+    pool.shutdown(wait=False)
+    busy: set[str] = set()
+
+    def a_has_pending() -> bool:
+        status, body = gateway_load(a)
+        if status != 200:
+            return False
+        busy.clear()
+        busy.update(h["address"] for h in body["hosts"] if h["prefillPendingTokens"] >= 5000)
+        return len(busy) == 1
+
+    wait_until(a_has_pending, 5.0, "the held prompt in a's load table")
+
+    def conversation(i: int, n: int) -> list[dict]:
+        messages = [{"role": "user", "content": f"conversation {i}: " + filler(f"last-{i}", 8000)}]
+        if n > 1:
+            messages += [{"role": "assistant", "content": "an answer " * 10},
+                         {"role": "user", "content": f"and a follow-up to {i}"}]
+        return messages
+
+    first: dict[int, str] = {}
+    for i in range(24):
+        r = send(a.gateway_url, CHAT, json_body=chat_body(conversation(i, 1)), session=f"last-{i}")
+        assert r.status == 200, r.describe()
+        assert r.served_by not in busy, (r.served_by, busy)
+        first[i] = r.served_by
+    status, report = gateway_load(a, path=LOAD_PATH + "?placed=1")
+    assert status == 200 and "lastBlocks" not in report, report
+    status, report = gateway_load(a, path=LOAD_PATH + "?lastBlocks=1")
+    assert status == 200, report
+    reported = {x["address"] for x in report["lastBlocks"]}
+    assert len(report["lastBlocks"]) >= len(first), report
+    assert set(first.values()) <= reported, (reported, first)
+    assert held.result().status == 200
+    # The busy replica is idle again. b has seen none of these
+    # conversations; each second turn goes where a sent the first.
+    time.sleep(3 * COLLECTOR_INTERVAL_MS / 1000)
+    for i, went in first.items():
+        r = send(b.gateway_url, CHAT, json_body=chat_body(conversation(i, 2)), session=f"last-{i}")
+        assert r.status == 200, r.describe()
+        assert r.served_by == went, (i, went, busy, r.describe())
+    print(f"\n[gateways] {len(first)} conversations: a sent their first turns to "
+          f"{dict(Counter(first.values()))} (busy {sorted(busy)}); b sent every second turn there")
+    assert metric(a, "kvroute_last_blocks_noted_total") >= len(first)
+    assert metric(a, "kvroute_last_blocks_lost_total") == 0

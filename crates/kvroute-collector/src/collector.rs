@@ -163,6 +163,7 @@ pub fn build_snapshot<'a>(
     hosts.truncate(MAX_HOSTS);
     Snapshot {
         placed: Vec::new(),
+        last_blocks: Vec::new(),
         version: SNAPSHOT_VERSION,
         seq,
         collector: collector.to_owned(),

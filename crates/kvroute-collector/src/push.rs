@@ -36,7 +36,12 @@
 //! carries the field gets the *other* gateways' placements from reads
 //! younger than [`LOAD_MAX_AGE_MS`], aged to the push, one per key, in its
 //! snapshot's `placed`; a gateway whose report has no such field (an
-//! older filter, which would refuse it) gets none.
+//! older filter, which would refuse it) gets none. Likewise the gateways'
+//! recent requests' last blocks (`&lastBlocks=1`,
+//! [`kvroute_core::placed::report_last`]): a gateway whose report carries
+//! `lastBlocks` gets the others' in its snapshot's `lastBlocks`, one per
+//! block and replica, so that a conversation's next turn finds its
+//! previous turn's replica on whichever gateway it arrives.
 //!
 //! **Peers** (`--peer-gateways`, `--peer-gateway-service`): gateways that
 //! another collector pushes to, as in the sidecar layout where each gateway
@@ -56,7 +61,7 @@ use std::time::{Duration, Instant};
 use kvroute_core::fleet::{Snapshot, MAX_ARRIVALS_PER_S};
 use kvroute_core::ingest;
 use kvroute_core::load::LoadReport;
-use kvroute_core::placed::{self, Placement};
+use kvroute_core::placed::{self, LastBlock, Placement};
 use log::{info, warn};
 
 use crate::config::{Gateway, Secret};
@@ -206,6 +211,28 @@ impl LoadBoard {
             r.placed.iter().flatten().map(move |p| Placement {
                 age_ms: p.age_ms.saturating_add(since),
                 ..p.clone()
+            })
+        })))
+    }
+}
+
+impl LoadBoard {
+    /// The other gateways' recent requests' last blocks
+    /// ([`placed::report_last`]), aged to `now_ms`, for a gateway whose own
+    /// last report had the field; `None` for one that does not.
+    pub fn last_blocks_for(&self, me: &str, now_ms: u64) -> Option<Vec<LastBlock>> {
+        let slots = self.lock();
+        let mine = slots.get(me)?.load.as_ref()?;
+        mine.1.last_blocks.as_ref()?;
+        let others = slots.iter().filter(|(g, _)| g.as_str() != me);
+        let young = others
+            .filter_map(|(_, s)| s.load.as_ref())
+            .filter(|(read_ms, _)| now_ms.saturating_sub(*read_ms) <= LOAD_MAX_AGE_MS);
+        Some(placed::merge_last(young.flat_map(|(read_ms, r)| {
+            let since = now_ms.saturating_sub(*read_ms);
+            r.last_blocks.iter().flatten().map(move |b| LastBlock {
+                age_ms: b.age_ms.saturating_add(since),
+                ..b.clone()
             })
         })))
     }
@@ -410,7 +437,12 @@ fn run(
         };
         let body = match peers {
             Some(p) => {
-                let url = format!("{}?{}", gateway.load_url, ingest::LOAD_PLACED_QUERY);
+                let url = format!(
+                    "{}?{}&{}",
+                    gateway.load_url,
+                    ingest::LOAD_PLACED_QUERY,
+                    ingest::LOAD_LAST_BLOCKS_QUERY
+                );
                 let (read, label) = read_load(&agent, &url, &auth);
                 if slot.lock().stop {
                     return; // the gateway went away meanwhile
@@ -440,9 +472,10 @@ fn run(
                 p.board.wait_round(payload.snapshot.taken_at_ms, READ_WAIT);
                 let now = now_ms();
                 let placed = p.board.placed_for(&gateway.base, now);
-                match (p.board.others(&gateway.base, now), placed) {
-                    (None, None) => Arc::clone(&payload.body),
-                    (others, placed) => {
+                let last = p.board.last_blocks_for(&gateway.base, now);
+                match (p.board.others(&gateway.base, now), placed, last) {
+                    (None, None, None) => Arc::clone(&payload.body),
+                    (others, placed, last) => {
                         let mut snap = match others {
                             Some(others) => with_peers(
                                 &payload.snapshot,
@@ -452,6 +485,7 @@ fn run(
                             None => (*payload.snapshot).clone(),
                         };
                         snap.placed = placed.unwrap_or_default();
+                        snap.last_blocks = last.unwrap_or_default();
                         Arc::new(snap.to_json())
                     }
                 }
@@ -611,6 +645,7 @@ mod tests {
                 })
                 .collect(),
             placed: None,
+            last_blocks: None,
             arrival_window_ms: Some(10_000),
         }
     }
@@ -652,6 +687,45 @@ mod tests {
         // Nothing read for a gateway yet: none.
         b.join("g3");
         assert_eq!(b.placed_for("g3", 10_200), None);
+    }
+
+    /// Last blocks likewise: the others', aged to the push, one per block
+    /// and replica, only to a gateway whose own report carries the field.
+    #[test]
+    fn the_board_hands_each_gateway_the_others_last_blocks() {
+        let last = |block: u64, address: &str, age_ms: u64| LastBlock {
+            block: format!("{block:016x}"),
+            blocks: 9,
+            address: address.to_owned(),
+            age_ms,
+        };
+        let with = |blocks: Vec<LastBlock>| LoadReport {
+            last_blocks: Some(blocks),
+            ..report(&[])
+        };
+        let b = LoadBoard::new();
+        for g in ["g0", "g1", "g2"] {
+            b.join(g);
+        }
+        b.set(
+            "g0",
+            10_000,
+            Some(with(vec![last(1, "a:1", 100), last(2, "a:1", 50)])),
+        );
+        b.set("g1", 10_000, Some(report(&[])));
+        b.set("g2", 10_100, Some(with(vec![last(1, "a:1", 20)])));
+        assert_eq!(b.last_blocks_for("g1", 10_200), None, "no field, none");
+        let got = |g: &str| {
+            let v = b.last_blocks_for(g, 10_200).unwrap();
+            v.iter()
+                .map(|x| (x.block_value().unwrap(), x.age_ms))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(got("g0"), [(1, 120)], "not its own");
+        assert_eq!(got("g2"), [(2, 250), (1, 300)]);
+        let late = 10_000 + LOAD_MAX_AGE_MS + 1;
+        assert_eq!(b.last_blocks_for("g0", late).map(|v| v.len()), Some(1));
+        assert_eq!(b.last_blocks_for("g2", late), Some(vec![]));
     }
 
     #[test]

@@ -455,14 +455,16 @@ fn several_gateways_get_each_others_pending_prefill() {
 /// Key memory across gateways: the collector asks each gateway's load for
 /// its placements (`?placed=1`) and gives each gateway whose report has
 /// the field the *other* gateways' placements; a gateway whose report has
-/// none (an older filter) gets snapshots without the field.
+/// none (an older filter) gets snapshots without the field. The same read
+/// asks for the gateways' last blocks (`&lastBlocks=1`), handed over
+/// likewise.
 #[test]
 fn placements_reach_the_other_gateways() {
     let ok = Arc::new(AtomicU16::new(200));
     let e1 = engine(VLLM_METRICS, ok.clone());
     let placed = |key: &str| {
         format!(
-            r#"{{"hosts":[],"placed":[{{"key":"{key}","address":"{}","ageMs":40}}]}}"#,
+            r#"{{"hosts":[],"placed":[{{"key":"{key}","address":"{0}","ageMs":40}}],"lastBlocks":[{{"block":"{key}","blocks":9,"address":"{0}","ageMs":30}}]}}"#,
             e1.addr
         )
     };
@@ -497,8 +499,13 @@ fn placements_reach_the_other_gateways() {
     let p = to_b.iter().flat_map(|s| &s.placed).next().unwrap();
     assert_eq!(p.address, e1.addr.to_string());
     assert!(p.age_ms >= 40, "aged to the push: {}", p.age_ms);
+    let last = to_b.iter().flat_map(|s| &s.last_blocks).next().unwrap();
+    assert_eq!((last.block.as_str(), last.blocks), ("00000000000000aa", 9));
+    assert!(last.age_ms >= 30, "aged to the push: {}", last.age_ms);
     assert!(
-        gw_a.paths().iter().any(|p| p == "/v1/fleet/load?placed=1"),
+        gw_a.paths()
+            .iter()
+            .any(|p| p == "/v1/fleet/load?placed=1&lastBlocks=1"),
         "{:?}",
         gw_a.paths()
     );
@@ -508,7 +515,9 @@ fn placements_reach_the_other_gateways() {
         wait_until(Duration::from_secs(5), || !posted(&gw_c).is_empty()),
         "C got no snapshot"
     );
-    assert!(posted(&gw_c).iter().all(|s| s.placed.is_empty()));
+    assert!(posted(&gw_c)
+        .iter()
+        .all(|s| s.placed.is_empty() && s.last_blocks.is_empty()));
     running.stop();
 }
 

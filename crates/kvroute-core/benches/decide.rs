@@ -57,6 +57,7 @@ fn snapshot_json(hosts: usize) -> Vec<u8> {
         .collect();
     Snapshot {
         placed: Vec::new(),
+        last_blocks: Vec::new(),
         version: SNAPSHOT_VERSION,
         seq: 1,
         collector: "bench".into(),

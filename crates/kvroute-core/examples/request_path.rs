@@ -76,6 +76,7 @@ fn main() {
     .expect("ingest config");
     let snapshot = Snapshot {
         placed: Vec::new(),
+        last_blocks: Vec::new(),
         version: SNAPSHOT_VERSION,
         seq: 1,
         collector: "profile".into(),

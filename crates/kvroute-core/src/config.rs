@@ -167,6 +167,8 @@ pub struct RawFleet {
     pub prefix_index_slots: u32,
     #[serde(default = "defaults::prefix_ttl_ms")]
     pub prefix_ttl_ms: u64,
+    #[serde(default = "defaults::share_last_blocks")]
+    pub share_last_blocks: bool,
 }
 
 impl Default for RawFleet {
@@ -196,6 +198,7 @@ impl Default for RawFleet {
             prefix_subset_first: defaults::prefix_subset_first(),
             prefix_index_slots: defaults::prefix_index_slots(),
             prefix_ttl_ms: defaults::prefix_ttl_ms(),
+            share_last_blocks: defaults::share_last_blocks(),
         }
     }
 }
@@ -557,6 +560,14 @@ pub mod defaults {
     pub fn prefix_ttl_ms() -> u64 {
         600_000
     }
+    /// Each request's last block goes to the other gateways through the
+    /// collector (`crate::placed`), so that a conversation's next turn,
+    /// on whichever gateway, finds where its previous turn went. Measured
+    /// in the fleet simulation, four gateways, 16 replicas, seeds 1-5
+    /// (docs/fleet-state.md, "Last blocks, shared through the collector").
+    pub fn share_last_blocks() -> bool {
+        true
+    }
     /// Snapshots of 4096 hosts are about 1 MB of JSON.
     pub fn ingest_max_bytes() -> u64 {
         4 << 20
@@ -694,6 +705,12 @@ pub struct FleetConfig {
     /// Shared-data key of the ring of this gateway's recent placements off
     /// home ([`crate::placed`]).
     pub placed_key: String,
+    /// Whether this gateway shares each request's last block with the
+    /// other gateways, and applies theirs (`shareLastBlocks`).
+    pub share_last_blocks: bool,
+    /// Shared-data key of the ring of this gateway's recent requests' last
+    /// blocks ([`crate::placed::note_last`]).
+    pub last_blocks_key: String,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -1079,6 +1096,8 @@ impl RawConfig {
             owner_key: format!("{prefix}.fleet.owner.v1"),
             index_key_prefix: format!("{prefix}.px."),
             placed_key: format!("{prefix}.placed.v1"),
+            share_last_blocks: f.share_last_blocks,
+            last_blocks_key: format!("{prefix}.lastblocks.v1"),
         };
         let admission =
             compile_admission(&self.admission, &self.objectives, &self.destination_header)?;

@@ -1309,6 +1309,20 @@ pub fn route(
             };
             if let Some(h) = d.pick.as_ref().and_then(|p| hosts.get(p.primary)) {
                 index.record_after(store, cache, &facts.blocks, h.id, now_ms, &seen);
+                // The other gateways learn where this request's last block
+                // went: a conversation's next turn, wherever it arrives,
+                // probes that block (`Facts::previous_blocks`). Only where a
+                // collector reads them (`placed::note_last`).
+                let last = facts.blocks.last().copied();
+                if let Some(block) = last.filter(|_| cfg.fleet.share_last_blocks && fleet.is_some())
+                {
+                    let blocks = u32::try_from(facts.blocks.len()).unwrap_or(u32::MAX);
+                    let key = &cfg.fleet.last_blocks_key;
+                    if let Some(lost) = placed::note_last(store, key, block, blocks, h.id, now_ms) {
+                        metrics.count(Counter::LastBlocksNoted, 1);
+                        metrics.count(Counter::LastBlocksLost, lost);
+                    }
+                }
                 // A request that starts a conversation, of a key nobody
                 // placed, starts the memory, cold or not: its prompt may
                 // share a system prompt the index knows elsewhere, and the
@@ -2307,6 +2321,7 @@ mod tests {
     fn view(hosts: &[(&str, bool, f64, u32, &[&str])], age_ms: u64) -> FleetView {
         let snap = crate::fleet::Snapshot {
             placed: Vec::new(),
+            last_blocks: Vec::new(),
             version: 1,
             seq: 1,
             collector: "t".into(),
@@ -2464,6 +2479,7 @@ mod tests {
     fn view_aged(hosts: &[(&str, bool, u64)]) -> FleetView {
         let snap = crate::fleet::Snapshot {
             placed: Vec::new(),
+            last_blocks: Vec::new(),
             version: 1,
             seq: 1,
             collector: "t".into(),
@@ -2886,6 +2902,7 @@ mod equivalence {
     fn snapshot_of(cfg: &Config, scraped_at_ms: u64) -> FleetView {
         let snap = crate::fleet::Snapshot {
             placed: Vec::new(),
+            last_blocks: Vec::new(),
             version: 1,
             seq: 1,
             collector: "c".into(),
@@ -3000,10 +3017,88 @@ mod equivalence {
         }
         for (told, expected) in [(false, home), (true, placed_at)] {
             let placed = if told { report.clone() } else { Vec::new() };
-            let d = on_gateway_told(&c, &placed, None, &next);
+            let d = on_gateway_told(&c, &placed, &[], None, &next);
             let target = &c.hosts.get(expected).unwrap().addr;
             assert_eq!(&d.targets[0], target, "told {told}: {d:?}");
         }
+    }
+
+    /// A conversation's turns over two gateways: gateway A sends the first
+    /// turn off its busy home and, read by a collector, reports the turn's
+    /// last block; gateway B, told of it in a snapshot, sends the next turn
+    /// (which extends the first) where the first went. Not told, B sends
+    /// it home. With `shareLastBlocks` off, or no collector reading A, A
+    /// reports nothing.
+    #[test]
+    fn a_conversations_next_turn_follows_its_last_block_to_another_gateway() {
+        let json = |share: bool| {
+            let hosts: Vec<String> = (0..8)
+                .map(|i| format!("\"10.0.0.{}:8000\"", i + 1))
+                .collect();
+            let fleet = format!(r#"{{"coldHomeShare":0.95,"shareLastBlocks":{share}}}"#);
+            format!(r#"{{"hosts":[{}],"fleet":{fleet}}}"#, hosts.join(","))
+        };
+        let c = Config::from_json(json(true).as_bytes()).unwrap();
+        let mut first = request(21, 40 * 16, 40);
+        first.continues = true;
+        let home = picker::preference_order(&c.hosts, first.affinity.key())[0];
+        let busy = Charge {
+            host: c.hosts.get(home).unwrap().id,
+            prefill: 3000,
+            memory: 0,
+        };
+        // Gateway A, in fleet mode, its home busy; `read` says whether a
+        // collector has read its last blocks.
+        let on_a = |c: &Config, read: bool| {
+            let (a, m) = (MemorySharedData::default(), MemoryMetrics::default());
+            load::update(&a, &c.load_key, |t| t.add(busy)).unwrap();
+            let key = &c.fleet.last_blocks_key;
+            if read {
+                assert!(placed::report_last(&a, key, &[&c.hosts], 500).is_empty());
+            }
+            let view = snapshot_of(c, 0);
+            let d = route(
+                c,
+                &a,
+                &m,
+                &mut IndexCache::default(),
+                Ok(&first),
+                Some(&view),
+                1000,
+                0,
+            );
+            let report = placed::report_last(&a, key, &[&c.hosts], 1200);
+            (
+                d.pick.unwrap().primary,
+                report,
+                m.counter(Counter::LastBlocksNoted),
+            )
+        };
+        let (sent_to, report, noted) = on_a(&c, true);
+        assert_ne!(sent_to, home);
+        assert_eq!(noted, 1);
+        assert_eq!(report.len(), 1, "{report:?}");
+        let last = &report[0];
+        assert_eq!(last.block_value(), first.blocks.last().copied());
+        assert_eq!((last.blocks, last.age_ms), (40, 200));
+        assert_eq!(last.address, c.hosts.get(sent_to).unwrap().addr);
+        // The next turn: the first's 40 blocks and one more.
+        let mut next = request(21, 41 * 16, 41);
+        next.continues = true;
+        next.previous_blocks = Some(40);
+        for (told, expected) in [(false, home), (true, sent_to)] {
+            let last = if told { report.clone() } else { Vec::new() };
+            let d = on_gateway_told(&c, &[], &last, None, &next);
+            let target = &c.hosts.get(expected).unwrap().addr;
+            assert_eq!(&d.targets[0], target, "told {told}: {d:?}");
+        }
+        // No collector reads A: nothing is written or counted.
+        let (_, report, noted) = on_a(&c, false);
+        assert_eq!((report.len(), noted), (0, 0));
+        // Sharing off: likewise, however often A is read.
+        let off = Config::from_json(json(false).as_bytes()).unwrap();
+        let (_, report, noted) = on_a(&off, true);
+        assert_eq!((report.len(), noted), (0, 0));
     }
 
     /// Every placement written for the other gateways is counted, and so
@@ -3128,6 +3223,7 @@ mod equivalence {
         hosts[1].scraped_at_ms = 0;
         let snap = crate::fleet::Snapshot {
             placed: Vec::new(),
+            last_blocks: Vec::new(),
             version: 1,
             seq: 1,
             collector: "c".into(),
@@ -3163,6 +3259,7 @@ mod equivalence {
     fn on_gateway_told(
         c: &Config,
         placed: &[placed::Placement],
+        last_blocks: &[placed::LastBlock],
         busy: Option<Charge>,
         f: &Facts,
     ) -> Decision {
@@ -3181,6 +3278,7 @@ mod equivalence {
                 .map(|h| idle_host(&h.addr, true, 0))
                 .collect(),
             placed: placed.to_vec(),
+            last_blocks: last_blocks.to_vec(),
         };
         let stored = crate::ingest::store(c, &b, &snap.to_json(), 1500);
         assert!(
@@ -3236,9 +3334,9 @@ mod equivalence {
             prefill: 600,
             memory: 0,
         };
-        let blind = on_gateway_told(&c, &[], Some(busy), &next);
+        let blind = on_gateway_told(&c, &[], &[], Some(busy), &next);
         assert_ne!(&blind.targets[0], home_addr, "{blind:?}");
-        let told = on_gateway_told(&c, &report, Some(busy), &next);
+        let told = on_gateway_told(&c, &report, &[], Some(busy), &next);
         assert_eq!(&told.targets[0], home_addr, "{told:?}");
     }
 

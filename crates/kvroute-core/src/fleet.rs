@@ -18,7 +18,12 @@
 //! A snapshot may carry `placed`: the other gateways' recent placements
 //! `[{"key": "00c0ffee00c0ffee", "address": "10.0.0.11:8000",
 //! "ageMs": 120}]`, which a gateway with key memory writes into its prefix
-//! index ([`crate::placed`]). Absent, there are none.
+//! index ([`crate::placed`]). Absent, there are none. It may carry
+//! `lastBlocks`: the other gateways' recent requests' last blocks
+//! `[{"block": "5e1f00c0ffee0001", "blocks": 12, "address":
+//! "10.0.0.11:8000", "ageMs": 80}]`, which a gateway that shares them
+//! (`fleet.shareLastBlocks`) writes into its prefix index
+//! ([`crate::placed::apply_last`]).
 //!
 //! A host may also carry `peerPendingTokens`: the prefill the other
 //! gateways had sent it without a first byte yet, as a collector that reads
@@ -39,7 +44,7 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::picker::HostSet;
-use crate::placed::{self, Placement};
+use crate::placed::{self, LastBlock, Placement};
 
 /// The snapshot schema version this build reads and writes.
 pub const SNAPSHOT_VERSION: u32 = 1;
@@ -67,6 +72,11 @@ pub struct Snapshot {
     /// ([`crate::placed`]); at most [`placed::MAX_SNAPSHOT`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub placed: Vec<Placement>,
+    /// The other gateways' recent requests' last blocks
+    /// ([`crate::placed::note_last`]); at most
+    /// [`placed::MAX_SNAPSHOT_LAST`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub last_blocks: Vec<LastBlock>,
 }
 
 /// One replica as last scraped.
@@ -217,6 +227,33 @@ impl Snapshot {
                 return Err(bad(
                     format!("placed[{i}].address"),
                     format!("{:?} is not ip:port", p.address),
+                ));
+            }
+        }
+        if self.last_blocks.len() > placed::MAX_SNAPSHOT_LAST {
+            return Err(bad(
+                "lastBlocks",
+                format!(
+                    "{} last blocks, at most {}",
+                    self.last_blocks.len(),
+                    placed::MAX_SNAPSHOT_LAST
+                ),
+            ));
+        }
+        for (i, b) in self.last_blocks.iter().enumerate() {
+            if b.block_value().is_none() {
+                return Err(bad(
+                    format!("lastBlocks[{i}].block"),
+                    "must be 16 hex digits",
+                ));
+            }
+            if b.blocks == 0 {
+                return Err(bad(format!("lastBlocks[{i}].blocks"), "must be at least 1"));
+            }
+            if b.address.parse::<SocketAddr>().is_err() {
+                return Err(bad(
+                    format!("lastBlocks[{i}].address"),
+                    format!("{:?} is not ip:port", b.address),
                 ));
             }
         }
@@ -384,6 +421,7 @@ mod tests {
     fn snap(hosts: Vec<HostState>) -> Snapshot {
         Snapshot {
             placed: Vec::new(),
+            last_blocks: Vec::new(),
             version: 1,
             seq: 7,
             collector: "c".into(),
@@ -407,7 +445,25 @@ mod tests {
             }],
             ..s
         };
-        assert_eq!(Snapshot::from_json(&with.to_json()), Ok(with));
+        assert_eq!(Snapshot::from_json(&with.to_json()), Ok(with.clone()));
+        // Last blocks likewise: absent when none, else they round-trip.
+        assert!(!String::from_utf8(with.to_json())
+            .unwrap()
+            .contains("lastBlocks"));
+        let last = Snapshot {
+            last_blocks: vec![last_block("5e1f00c0ffee0001", 12, "[::1]:8000")],
+            ..with
+        };
+        assert_eq!(Snapshot::from_json(&last.to_json()), Ok(last));
+    }
+
+    fn last_block(block: &str, blocks: u32, address: &str) -> LastBlock {
+        LastBlock {
+            block: block.into(),
+            blocks,
+            address: address.into(),
+            age_ms: 80,
+        }
     }
 
     #[test]
@@ -455,6 +511,36 @@ mod tests {
                     ..snap(vec![])
                 },
                 "placed[0].address",
+            ),
+            (
+                Snapshot {
+                    last_blocks: vec![last_block("5e1f", 12, "10.0.0.1:80")],
+                    ..snap(vec![])
+                },
+                "lastBlocks[0].block",
+            ),
+            (
+                Snapshot {
+                    last_blocks: vec![last_block("5e1f00c0ffee0001", 0, "10.0.0.1:80")],
+                    ..snap(vec![])
+                },
+                "lastBlocks[0].blocks",
+            ),
+            (
+                Snapshot {
+                    last_blocks: vec![last_block("5e1f00c0ffee0001", 3, "nowhere")],
+                    ..snap(vec![])
+                },
+                "lastBlocks[0].address",
+            ),
+            (
+                Snapshot {
+                    last_blocks: (0..=placed::MAX_SNAPSHOT_LAST)
+                        .map(|k| last_block(&format!("{k:016x}"), 3, "10.0.0.1:80"))
+                        .collect(),
+                    ..snap(vec![])
+                },
+                "lastBlocks",
             ),
             (
                 Snapshot {

@@ -121,10 +121,16 @@ pub enum Counter {
     /// the ring before any load report carried them, or never written
     /// (counted once a collector reads the ring).
     PlacementsLost,
+    /// Requests' last blocks written to the gateway's ring for the other
+    /// gateways ([`crate::placed::note_last`]).
+    LastBlocksNoted,
+    /// Last blocks the other gateways can no longer learn of (as
+    /// `PlacementsLost`).
+    LastBlocksLost,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 25] = [
+    pub const ALL: [Counter; 27] = [
         Counter::DecisionSession,
         Counter::DecisionPrefix,
         Counter::DecisionSpill,
@@ -150,6 +156,8 @@ impl Counter {
         Counter::PrefixEntriesDropped,
         Counter::PlacementsNoted,
         Counter::PlacementsLost,
+        Counter::LastBlocksNoted,
+        Counter::LastBlocksLost,
     ];
 
     pub fn name(self) -> &'static str {
@@ -179,6 +187,8 @@ impl Counter {
             Counter::PrefixEntriesDropped => "kvroute_prefix_entries_dropped_total",
             Counter::PlacementsNoted => "kvroute_placements_noted_total",
             Counter::PlacementsLost => "kvroute_placements_lost_total",
+            Counter::LastBlocksNoted => "kvroute_last_blocks_noted_total",
+            Counter::LastBlocksLost => "kvroute_last_blocks_lost_total",
         }
     }
 }

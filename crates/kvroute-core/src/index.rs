@@ -466,30 +466,31 @@ impl Index<'_> {
         (found, seen)
     }
 
-    /// Records that `host` was sent the one-block prefix `block` at
-    /// `at_ms` (a placement another gateway made, [`crate::placed`]),
-    /// unless the block's most recent live owner was recorded at `at_ms` or
-    /// later, or is `host` recorded less than half the TTL before (the
-    /// same placement delivered again). Returns whether it wrote.
+    /// Records that `host` was sent `block`, the block at position
+    /// `depth - 1` of a request of `depth` blocks, at `at_ms` (what another
+    /// gateway did, [`crate::placed`]: a key's placement, depth 1, or a
+    /// request's last block), unless the block's most recent live owner
+    /// was recorded at `at_ms` or later, or is `host` at the same depth
+    /// recorded less than half the TTL before (the same send delivered
+    /// again). Returns whether it wrote.
     pub fn record_if_newer(
         &self,
         store: &dyn SharedData,
         cache: &mut IndexCache,
         block: u64,
         host: u64,
+        depth: u32,
         at_ms: u64,
     ) -> bool {
         let current = self.read(store, cache, block, at_ms);
         let first = current.and_then(|e| e.owners().first().copied());
-        let same = |o: &Owner| o.host == host && at_ms.saturating_sub(o.at_ms) <= self.ttl_ms / 2;
+        let same = |o: &Owner| {
+            o.host == host && o.depth == depth && at_ms.saturating_sub(o.at_ms) <= self.ttl_ms / 2
+        };
         if first.is_some_and(|o| o.at_ms >= at_ms || same(&o)) {
             return false;
         }
-        let owner = Owner {
-            host,
-            depth: 1,
-            at_ms,
-        };
+        let owner = Owner { host, depth, at_ms };
         let e = current.map_or(Entry::single(block, owner), |e| e.with(owner));
         let _ = store.set(&self.key(block), &e.encode(), None);
         cache.put(self.slot(block), Some(e), at_ms);

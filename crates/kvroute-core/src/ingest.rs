@@ -47,10 +47,23 @@ pub const LOAD_PATH: &str = "/v1/fleet/load";
 /// report is what an older collector reads.
 pub const LOAD_PLACED_QUERY: &str = "placed=1";
 
+/// The query by which a collector that hands each gateway the others'
+/// requests' last blocks asks for them ([`crate::placed::report_last`]).
+pub const LOAD_LAST_BLOCKS_QUERY: &str = "lastBlocks=1";
+
 /// Whether a load read asks for the placements.
 pub fn wants_placed(path: &str) -> bool {
+    asks(path, LOAD_PLACED_QUERY)
+}
+
+/// Whether a load read asks for the last blocks.
+pub fn wants_last_blocks(path: &str) -> bool {
+    asks(path, LOAD_LAST_BLOCKS_QUERY)
+}
+
+fn asks(path: &str, query: &str) -> bool {
     path.split_once('?')
-        .is_some_and(|(_, q)| q.split('&').any(|kv| kv == LOAD_PLACED_QUERY))
+        .is_some_and(|(_, q)| q.split('&').any(|kv| kv == query))
 }
 
 /// What a request on the ingest listener asks for.
@@ -451,11 +464,16 @@ impl FleetCache {
                         // settings (the ingest listener also decodes
                         // snapshots, to name hosts in its load report).
                         let router = cfg.role == crate::config::Role::Router;
+                        let index = Index::of(&cfg.fleet);
                         if router && cfg.fleet.key_memory && !s.placed.is_empty() {
-                            let index = Index::of(&cfg.fleet);
                             placed::apply(store, &index, &s.placed, h.ingested_at_ms);
                         }
+                        // And their requests' last blocks, likewise.
+                        if router && cfg.fleet.share_last_blocks && !s.last_blocks.is_empty() {
+                            placed::apply_last(store, &index, &s.last_blocks, h.ingested_at_ms);
+                        }
                         s.placed = Vec::new();
+                        s.last_blocks = Vec::new();
                         self.view = Some(Rc::new(FleetView::new(s, h.ingested_at_ms)));
                         outcome = Refresh::Decoded;
                     }
@@ -486,6 +504,7 @@ mod tests {
     fn snap_by(collector: &str, seq: u64, hosts: usize) -> Vec<u8> {
         Snapshot {
             placed: Vec::new(),
+            last_blocks: Vec::new(),
             version: SNAPSHOT_VERSION,
             seq,
             collector: collector.into(),
@@ -531,6 +550,12 @@ mod tests {
         assert!(wants_placed(&format!("{LOAD_PATH}?x=1&placed=1")));
         assert!(!wants_placed(LOAD_PATH));
         assert!(!wants_placed(&format!("{LOAD_PATH}?placed=10")));
+        let both = format!("{LOAD_PATH}?{LOAD_PLACED_QUERY}&{LOAD_LAST_BLOCKS_QUERY}");
+        assert!(wants_last_blocks(&both) && wants_placed(&both));
+        assert!(!wants_last_blocks(&format!(
+            "{LOAD_PATH}?{LOAD_PLACED_QUERY}"
+        )));
+        assert!(!wants_last_blocks(&format!("{LOAD_PATH}?lastBlocks=0")));
         assert_eq!(
             route("POST", "/v1/chat/completions"),
             Err(Outcome::NotFound)

@@ -55,7 +55,7 @@ use serde::{Deserialize, Serialize};
 use crate::fleet::MAX_HOSTS;
 use crate::host::{SetError, SharedData};
 use crate::picker::HostSet;
-use crate::placed::{self, Placement};
+use crate::placed::{self, LastBlock, Placement};
 
 const MAGIC: &[u8; 4] = b"KVL3";
 /// The previous encoding: load entries only.
@@ -358,7 +358,10 @@ impl LoadTable {
 /// arrivals (and reads `peerArrivalsPerS`). Asked with
 /// `?placed=1` ([`crate::ingest::LOAD_PLACED_QUERY`]) it also carries
 /// `"placed": [{"key": "00c0ffee00c0ffee", "address": "10.0.0.11:8000",
-/// "ageMs": 120}]`, the gateway's recent placements.
+/// "ageMs": 120}]`, the gateway's recent placements; with `?lastBlocks=1`
+/// ([`crate::ingest::LOAD_LAST_BLOCKS_QUERY`]) `"lastBlocks": [{"block":
+/// "5e1f00c0ffee0001", "blocks": 12, "address": "10.0.0.11:8000", "ageMs":
+/// 80}]`, its recent requests' last blocks ([`crate::placed::note_last`]).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LoadReport {
@@ -368,6 +371,11 @@ pub struct LoadReport {
     /// absent from an older one, which gets none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placed: Option<Vec<Placement>>,
+    /// This gateway's recent requests' last blocks
+    /// ([`crate::placed::report_last`]); present (maybe empty) when asked
+    /// for and the gateway shares them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_blocks: Option<Vec<LastBlock>>,
     /// The window over which this gateway counts arrivals
     /// (`fleet.arrivalWindowMs`): present from a gateway that counts them
     /// and reads `peerArrivalsPerS` in a snapshot (a collector gives that
@@ -418,6 +426,7 @@ impl LoadReport {
         LoadReport {
             hosts,
             placed: None,
+            last_blocks: None,
             arrival_window_ms: Some(window_ms),
         }
     }
@@ -440,6 +449,14 @@ impl LoadReport {
             .filter(|&n| n > placed::RING)
         {
             return Err(format!("{n} placements, at most {}", placed::RING));
+        }
+        if let Some(n) = r
+            .last_blocks
+            .as_ref()
+            .map(Vec::len)
+            .filter(|&n| n > placed::LAST_RING)
+        {
+            return Err(format!("{n} last blocks, at most {}", placed::LAST_RING));
         }
         let max = crate::fleet::MAX_ARRIVALS_PER_S;
         if let Some(h) = r.hosts.iter().find(|h| {
@@ -690,6 +707,21 @@ mod tests {
                 .join(",")
         );
         assert!(LoadReport::from_json(many.as_bytes()).is_err());
+        // Last blocks round-trip, and more than a ring holds is refused.
+        let b = |k: usize| LastBlock {
+            block: format!("{k:016x}"),
+            blocks: 3,
+            address: "10.0.0.1:1".into(),
+            age_ms: 5,
+        };
+        let with = |n: usize| LoadReport {
+            last_blocks: Some((0..n).map(b).collect()),
+            ..LoadReport::default()
+        };
+        let ok = with(placed::LAST_RING);
+        assert_eq!(LoadReport::from_json(&ok.to_json()), Ok(ok));
+        let e = LoadReport::from_json(&with(placed::LAST_RING + 1).to_json()).unwrap_err();
+        assert!(e.contains("last blocks"), "{e}");
     }
 
     /// The table against a map model: any sequence of charges and releases

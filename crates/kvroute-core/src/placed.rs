@@ -45,6 +45,36 @@
 //!
 //! Ring encoding (little endian): the magic `KVP1`, then 24 bytes per
 //! entry, oldest first: key (u64), host id (u64), time (u64, gateway ms).
+//!
+//! **Last blocks** (`fleet.shareLastBlocks`, on by default). Key memory
+//! gives the other gateways a conversation's first placement only. Each
+//! gateway sees a share of a conversation's turns; for the others its
+//! index does not know where the previous turn went, and it sends the
+//! turn to the key's home or remembered replica while the conversation's
+//! longest prefix sits elsewhere (a turn that spilled, or that another
+//! gateway placed by its own load). So every request in fleet mode also
+//! appends its last block to a second ring ([`note_last`]: block hash,
+//! host, time, the request's length in blocks), through the same channel:
+//! the load report carries the ring's entries younger than
+//! [`LAST_REPORT_MS`] when asked with `lastBlocks=1` (`lastBlocks`), the
+//! collector hands each gateway the others' (`lastBlocks` in its
+//! snapshot, at most [`MAX_SNAPSHOT_LAST`]), and the gateway writes each
+//! into its index as that block's owner at that depth ([`apply_last`]),
+//! unless it holds a later send of the block. The next turn probes that
+//! block ([`crate::decide::Facts::previous_blocks`]) and finds the replica
+//! and the whole previous turn. One entry a request, where the
+//! index records up to `log2(blocks) + 2`: the fleet simulation measured
+//! the whole index shared (an upper bound, `kvroute-oracle-shared-index`)
+//! and found the last block alone worth as much (docs/fleet-state.md,
+//! "Last blocks, shared through the collector").
+//!
+//! The ring grows with the request rate, not the key rate: it keeps
+//! [`LAST_RING`] entries and none older than [`LAST_REPORT_MS`], 32 bytes
+//! each (block, host, time, blocks; magic `KVL1`). A gateway writes it only
+//! while a load report carried it within [`LAST_READER_MS`] (a collector
+//! that reads several gateways asks for it), so a lone gateway pays
+//! nothing; `kvroute_last_blocks_noted_total` and
+//! `kvroute_last_blocks_lost_total` count as the placements' counters do.
 
 use serde::{Deserialize, Serialize};
 
@@ -54,7 +84,6 @@ use crate::load::MAX_CAS_TRIES;
 use crate::picker::{host_id, HostSet};
 
 const MAGIC: &[u8; 4] = b"KVP1";
-const ENTRY: usize = 24;
 /// Entries kept in a gateway's ring (6 KB).
 pub const RING: usize = 256;
 /// Placements younger than this are reported: a collector that reads
@@ -91,33 +120,99 @@ impl Placement {
     }
 }
 
-fn decode(bytes: &[u8]) -> Vec<(u64, u64, u64)> {
-    let Some(body) = bytes.strip_prefix(MAGIC.as_slice()) else {
+/// A ring's entries: `W` little-endian words each, after the ring's magic.
+/// A value with another magic reads as empty.
+fn decode<const W: usize>(magic: &[u8; 4], bytes: &[u8]) -> Vec<[u64; W]> {
+    let Some(body) = bytes.strip_prefix(magic.as_slice()) else {
         return Vec::new();
     };
-    body.chunks_exact(ENTRY)
+    body.chunks_exact(W * 8)
         .map(|c| {
-            let word = |k: usize| {
-                let mut w = [0u8; 8];
+            let mut e = [0u64; W];
+            for (k, w) in e.iter_mut().enumerate() {
+                let mut b = [0u8; 8];
                 if let Some(s) = c.get(k * 8..k * 8 + 8) {
-                    w.copy_from_slice(s);
+                    b.copy_from_slice(s);
                 }
-                u64::from_le_bytes(w)
-            };
-            (word(0), word(1), word(2))
+                *w = u64::from_le_bytes(b);
+            }
+            e
         })
         .collect()
 }
 
-fn encode(entries: &[(u64, u64, u64)]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 + entries.len() * ENTRY);
-    out.extend_from_slice(MAGIC);
-    for &(key, host, at) in entries {
-        out.extend_from_slice(&key.to_le_bytes());
-        out.extend_from_slice(&host.to_le_bytes());
-        out.extend_from_slice(&at.to_le_bytes());
+fn encode<const W: usize>(magic: &[u8; 4], entries: &[[u64; W]]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + entries.len() * W * 8);
+    out.extend_from_slice(magic);
+    for e in entries {
+        for w in e {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
     }
     out
+}
+
+/// Where a ring lives and what it keeps: entries of `W` words whose word
+/// [`AT`] is the time they were made (gateway ms).
+struct Ring<'a> {
+    key: &'a str,
+    magic: &'static [u8; 4],
+    /// Most entries kept.
+    cap: usize,
+    /// Entries older than this are dropped when the ring is next written.
+    keep_ms: u64,
+}
+
+/// The word of a ring entry that holds its time.
+const AT: usize = 2;
+
+impl Ring<'_> {
+    fn read<const W: usize>(&self, store: &dyn SharedData) -> Vec<[u64; W]> {
+        match store.get(self.key) {
+            Ok((Some(v), _)) => decode(self.magic, &v),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Appends `entry` (made at `now_ms`), dropping the oldest beyond
+    /// `cap` and those older than `keep_ms`. See [`note`] for the count it
+    /// returns.
+    fn append<const W: usize>(&self, store: &dyn SharedData, entry: [u64; W], now_ms: u64) -> u64 {
+        let reported = reported_at(store, self.key);
+        // This entry, if it is not written.
+        let unwritten = u64::from(reported.is_some());
+        for _ in 0..MAX_CAS_TRIES {
+            let Ok((value, cas)) = store.get(self.key) else {
+                return unwritten;
+            };
+            let mut entries: Vec<[u64; W]> = value
+                .as_deref()
+                .map(|v| decode(self.magic, v))
+                .unwrap_or_default();
+            entries.push(entry);
+            let old = entries
+                .iter()
+                .take_while(|e| now_ms.saturating_sub(e[AT]) > self.keep_ms)
+                .count();
+            let drop = entries.len().saturating_sub(self.cap).max(old);
+            match store.set(
+                self.key,
+                &encode(self.magic, entries.get(drop..).unwrap_or_default()),
+                cas,
+            ) {
+                Err(SetError::CasMismatch) => continue,
+                Ok(()) => {
+                    let Some(r) = reported else {
+                        return 0;
+                    };
+                    let unread = entries.iter().take(drop).filter(|e| e[AT] > r);
+                    return unread.count() as u64;
+                }
+                Err(_) => return unwritten,
+            }
+        }
+        unwritten
+    }
 }
 
 /// The shared-data key under which a gateway keeps the time of the last
@@ -148,33 +243,17 @@ fn reported_at(store: &dyn SharedData, ring_key: &str) -> Option<u64> {
 /// Counted only once some collector has read the ring: a gateway no
 /// collector reads for placements loses nothing it could have shared.
 pub fn note(store: &dyn SharedData, ring_key: &str, key: u64, host: u64, now_ms: u64) -> u64 {
-    let reported = reported_at(store, ring_key);
-    // This placement, if it is not written.
-    let unwritten = u64::from(reported.is_some());
-    for _ in 0..MAX_CAS_TRIES {
-        let Ok((value, cas)) = store.get(ring_key) else {
-            return unwritten;
-        };
-        let mut entries = value.as_deref().map(decode).unwrap_or_default();
-        entries.push((key, host, now_ms));
-        let drop = entries.len().saturating_sub(RING);
-        match store.set(
-            ring_key,
-            &encode(entries.get(drop..).unwrap_or_default()),
-            cas,
-        ) {
-            Err(SetError::CasMismatch) => continue,
-            Ok(()) => {
-                let Some(r) = reported else {
-                    return 0;
-                };
-                let unread = entries.iter().take(drop).filter(|&&(_, _, at)| at > r);
-                return unread.count() as u64;
-            }
-            Err(_) => return unwritten,
-        }
+    placements(ring_key).append(store, [key, host, now_ms], now_ms)
+}
+
+/// The ring of key placements under `ring_key`.
+fn placements(ring_key: &str) -> Ring<'_> {
+    Ring {
+        key: ring_key,
+        magic: MAGIC,
+        cap: RING,
+        keep_ms: u64::MAX,
     }
-    unwritten
 }
 
 /// [`recent`], for a load report that carries the ring to a collector: it
@@ -198,15 +277,12 @@ pub fn recent(
     known: &[&HostSet],
     now_ms: u64,
 ) -> Vec<Placement> {
-    let entries = match store.get(ring_key) {
-        Ok((Some(v), _)) => decode(&v),
-        _ => return Vec::new(),
-    };
+    let entries: Vec<[u64; 3]> = placements(ring_key).read(store);
     entries
         .iter()
         .rev()
-        .filter(|&&(_, _, at)| now_ms.saturating_sub(at) <= REPORT_MS)
-        .filter_map(|&(key, host, at)| {
+        .filter(|&&[_, _, at]| now_ms.saturating_sub(at) <= REPORT_MS)
+        .filter_map(|&[key, host, at]| {
             let address = known.iter().find_map(|set| {
                 let i = set.index_of(host)?;
                 set.get(i).map(|h| h.addr.clone())
@@ -247,7 +323,152 @@ pub fn apply(
             continue;
         };
         let at = now_ms.saturating_sub(p.age_ms);
-        if index.record_if_newer(store, &mut cache, key_block(key), host_id(&p.address), at) {
+        if index.record_if_newer(
+            store,
+            &mut cache,
+            key_block(key),
+            host_id(&p.address),
+            1,
+            at,
+        ) {
+            written += 1;
+        }
+    }
+    written
+}
+
+/// A request's last block as reported and pushed: its hash (16 hex
+/// digits), the request's length in blocks, the replica it was sent to,
+/// and how long ago. The next turn of a conversation extends that request,
+/// and the gateway that sees it probes exactly this block
+/// ([`crate::decide::Facts::previous_blocks`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LastBlock {
+    pub block: String,
+    pub blocks: u32,
+    pub address: String,
+    pub age_ms: u64,
+}
+
+impl LastBlock {
+    /// The block hash, when it is 16 hex digits.
+    pub fn block_value(&self) -> Option<u64> {
+        (self.block.len() == 16)
+            .then(|| u64::from_str_radix(&self.block, 16).ok())
+            .flatten()
+    }
+}
+
+const LAST_MAGIC: &[u8; 4] = b"KVL1";
+/// Last blocks kept in a gateway's ring (32 bytes each): two seconds of
+/// requests at 500 a second, and a collector reads every 250 ms.
+pub const LAST_RING: usize = 1024;
+/// Last blocks younger than this are reported, and kept in the ring no
+/// longer: a collector that reads every 250 ms delivers each several
+/// times, and the next turn of a conversation comes seconds later.
+pub const LAST_REPORT_MS: u64 = 2000;
+/// A gateway writes its last blocks only while some load report carried
+/// them this recently: with no collector that hands them to another
+/// gateway, the ring would cost a write per request for no reader.
+pub const LAST_READER_MS: u64 = 10_000;
+/// Most last blocks a snapshot carries (the others' rings, youngest first).
+pub const MAX_SNAPSHOT_LAST: usize = 4096;
+
+/// The ring of last blocks under `ring_key`.
+fn last_blocks(ring_key: &str) -> Ring<'_> {
+    Ring {
+        key: ring_key,
+        magic: LAST_MAGIC,
+        cap: LAST_RING,
+        keep_ms: LAST_REPORT_MS,
+    }
+}
+
+/// Appends a request's last block (`block`, the request being `blocks`
+/// long) sent to `host` to the gateway's ring under `ring_key`, if a load
+/// report carried that ring within [`LAST_READER_MS`]; `None` when none
+/// did (nothing written). Otherwise, as [`note`]: how many last blocks the
+/// other gateways can no longer learn of (pushed out, by the cap or by
+/// age, before a report carried them; or this one, not written).
+pub fn note_last(
+    store: &dyn SharedData,
+    ring_key: &str,
+    block: u64,
+    blocks: u32,
+    host: u64,
+    now_ms: u64,
+) -> Option<u64> {
+    let read = reported_at(store, ring_key)?;
+    if now_ms.saturating_sub(read) > LAST_READER_MS {
+        return None;
+    }
+    let entry = [block, host, now_ms, u64::from(blocks)];
+    Some(last_blocks(ring_key).append(store, entry, now_ms))
+}
+
+/// The ring's last blocks younger than [`LAST_REPORT_MS`] whose host is
+/// in one of `known`, youngest first, for a load report; records that the
+/// ring was read at `now_ms` (see [`note_last`]).
+pub fn report_last(
+    store: &dyn SharedData,
+    ring_key: &str,
+    known: &[&HostSet],
+    now_ms: u64,
+) -> Vec<LastBlock> {
+    let entries: Vec<[u64; 4]> = last_blocks(ring_key).read(store);
+    let out = entries
+        .iter()
+        .rev()
+        .filter(|&&[_, _, at, _]| now_ms.saturating_sub(at) <= LAST_REPORT_MS)
+        .filter_map(|&[block, host, at, blocks]| {
+            let address = known.iter().find_map(|set| {
+                let i = set.index_of(host)?;
+                set.get(i).map(|h| h.addr.clone())
+            })?;
+            Some(LastBlock {
+                block: format!("{block:016x}"),
+                blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
+                address,
+                age_ms: now_ms.saturating_sub(at),
+            })
+        })
+        .collect();
+    let _ = store.set(&reported_key(ring_key), &now_ms.to_le_bytes(), None);
+    out
+}
+
+/// Several gateways' last blocks as one snapshot's: youngest first, one
+/// per block and replica (its youngest), at most [`MAX_SNAPSHOT_LAST`].
+pub fn merge_last(last: impl IntoIterator<Item = LastBlock>) -> Vec<LastBlock> {
+    let mut all: Vec<LastBlock> = last.into_iter().collect();
+    all.sort_by_key(|b| b.age_ms);
+    let mut seen = std::collections::HashSet::new();
+    all.retain(|b| seen.insert((b.block.clone(), b.address.clone())));
+    all.truncate(MAX_SNAPSHOT_LAST);
+    all
+}
+
+/// Writes pushed last blocks into the prefix index, each as sent `ageMs`
+/// before `now_ms` by a request of `blocks` blocks, unless the block's
+/// most recent owner was recorded at the same time or later (this
+/// gateway's own later send, or the same block delivered again). Returns
+/// how many were written.
+pub fn apply_last(
+    store: &dyn SharedData,
+    index: &Index<'_>,
+    last: &[LastBlock],
+    now_ms: u64,
+) -> usize {
+    let mut cache = IndexCache::default();
+    let mut written = 0;
+    for b in last {
+        let Some(block) = b.block_value().filter(|_| b.blocks > 0) else {
+            continue;
+        };
+        let at = now_ms.saturating_sub(b.age_ms);
+        let host = host_id(&b.address);
+        if index.record_if_newer(store, &mut cache, block, host, b.blocks, at) {
             written += 1;
         }
     }
@@ -275,10 +496,9 @@ mod tests {
         for k in 0..(RING as u64 + 10) {
             note(&store, "ring", k, a, 1000 + k);
         }
-        let (v, _) = store.get("ring").unwrap();
-        let entries = decode(&v.unwrap());
+        let entries: Vec<[u64; 3]> = placements("ring").read(&store);
         assert_eq!(entries.len(), RING);
-        assert_eq!(entries[0].0, 10, "the oldest ten were dropped");
+        assert_eq!(entries[0][0], 10, "the oldest ten were dropped");
         // An unknown host is left out; so is what is older than REPORT_MS.
         note(&store, "ring", 7777, 42, 1000 + RING as u64 + 10);
         let now = 1000 + REPORT_MS + 200;
@@ -392,5 +612,124 @@ mod tests {
             age_ms: 0,
         };
         assert_eq!(apply(&store, &idx, &[bad], 12_000), 0);
+    }
+
+    #[test]
+    fn last_blocks_are_written_while_read_and_age_out() {
+        let store = MemorySharedData::default();
+        let hosts = HostSet::new(["10.0.0.1:80".to_owned()]);
+        let a = host_id("10.0.0.1:80");
+        // No collector has read the ring: nothing written.
+        assert_eq!(note_last(&store, "last", 1, 3, a, 1000), None);
+        assert!(report_last(&store, "last", &[&hosts], 1000).is_empty());
+        // Read at 1000: written from then on, and reported youngest first
+        // with their length; an unknown host is left out.
+        assert_eq!(note_last(&store, "last", 1, 3, a, 1100), Some(0));
+        assert_eq!(note_last(&store, "last", 2, 5, 42, 1150), Some(0));
+        assert_eq!(note_last(&store, "last", 3, 7, a, 1200), Some(0));
+        let r = report_last(&store, "last", &[&hosts], 1300);
+        let got: Vec<(Option<u64>, u32, u64)> = r
+            .iter()
+            .map(|b| (b.block_value(), b.blocks, b.age_ms))
+            .collect();
+        assert_eq!(got, [(Some(3), 7, 100), (Some(1), 3, 200)]);
+        assert!(r.iter().all(|b| b.address == "10.0.0.1:80"));
+        // One noted after that read, then none read it before it aged out:
+        // the next write drops it, lost, with the reported ones.
+        assert_eq!(note_last(&store, "last", 4, 2, a, 1400), Some(0));
+        let later = 1400 + LAST_REPORT_MS + 1;
+        assert_eq!(note_last(&store, "last", 5, 2, a, later), Some(1));
+        let entries: Vec<[u64; 4]> = last_blocks("last").read(&store);
+        assert_eq!(entries.len(), 1, "only the last one is young");
+        // Older than LAST_REPORT_MS is not reported.
+        assert!(report_last(&store, "last", &[&hosts], later + LAST_REPORT_MS + 1).is_empty());
+        // The ring holds at most LAST_RING; a write long after the last
+        // read writes nothing.
+        let t = later + LAST_REPORT_MS + 2;
+        for k in 0..LAST_RING as u64 + 5 {
+            note_last(&store, "last", 100 + k, 2, a, t);
+        }
+        assert_eq!(last_blocks("last").read::<4>(&store).len(), LAST_RING);
+        let gone = later + LAST_REPORT_MS + 1 + LAST_READER_MS + 1;
+        assert_eq!(note_last(&store, "last", 9, 2, a, gone), None);
+    }
+
+    #[test]
+    fn merged_last_blocks_keep_each_blocks_youngest_per_replica() {
+        let b = |block: u64, address: &str, age_ms: u64| LastBlock {
+            block: format!("{block:016x}"),
+            blocks: 4,
+            address: address.to_owned(),
+            age_ms,
+        };
+        let m = merge_last([
+            b(1, "10.0.0.1:80", 30),
+            b(1, "10.0.0.1:80", 10),
+            b(1, "10.0.0.2:80", 20),
+            b(2, "10.0.0.1:80", 5),
+        ]);
+        let got: Vec<(Option<u64>, &str, u64)> = m
+            .iter()
+            .map(|x| (x.block_value(), x.address.as_str(), x.age_ms))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (Some(2), "10.0.0.1:80", 5),
+                (Some(1), "10.0.0.1:80", 10),
+                (Some(1), "10.0.0.2:80", 20)
+            ]
+        );
+        let many = (0..MAX_SNAPSHOT_LAST as u64 + 5).map(|k| b(k, "10.0.0.1:80", k));
+        assert_eq!(merge_last(many).len(), MAX_SNAPSHOT_LAST);
+    }
+
+    /// An applied last block makes the next turn's probe of it find the
+    /// replica and the whole earlier request; delivered again, or older
+    /// than this gateway's own send of the block, it writes nothing.
+    #[test]
+    fn applied_last_blocks_give_the_next_turn_its_replica_and_depth() {
+        let store = MemorySharedData::default();
+        let idx = index();
+        let turn: Vec<u64> = (0..12u64).map(|b| b * 7 + 1).collect();
+        let b = |address: &str, age_ms: u64| LastBlock {
+            block: format!("{:016x}", turn[9]),
+            blocks: 10,
+            address: address.to_owned(),
+            age_ms,
+        };
+        let found = |now: u64| {
+            idx.lookup_seen(&store, &mut IndexCache::default(), &turn, Some(10), 1, now)
+                .0
+        };
+        assert!(found(10_000).is_empty());
+        assert_eq!(
+            apply_last(&store, &idx, &[b("10.0.0.1:80", 300)], 10_000),
+            1
+        );
+        assert_eq!(found(10_000), [(host_id("10.0.0.1:80"), 10)]);
+        assert_eq!(
+            apply_last(&store, &idx, &[b("10.0.0.1:80", 550)], 10_250),
+            0
+        );
+        // This gateway sent the block itself later; an older report loses.
+        idx.record(&store, &turn[..10], host_id("10.0.0.2:80"), 11_000);
+        assert_eq!(
+            apply_last(&store, &idx, &[b("10.0.0.3:80", 2_000)], 12_000),
+            0
+        );
+        assert_eq!(found(12_000)[0], (host_id("10.0.0.2:80"), 10));
+        // A malformed block or a length of 0 is skipped.
+        let bad = [
+            LastBlock {
+                block: "xyz".into(),
+                ..b("10.0.0.1:80", 0)
+            },
+            LastBlock {
+                blocks: 0,
+                ..b("10.0.0.1:80", 0)
+            },
+        ];
+        assert_eq!(apply_last(&store, &idx, &bad, 12_000), 0);
     }
 }

@@ -210,8 +210,8 @@ pub const ORACLE_SHARED_INDEX: &str = "kvroute-oracle-shared-index";
 
 /// Not in [`ALL`]: kvroute whose gateways read no other gateway: each
 /// gateway's collector reads only the engines, so no snapshot carries the
-/// other gateways' pending prefill (`peerPendingTokens`) or their key
-/// placements (`placed`). The sidecar layout without
+/// other gateways' pending prefill (`peerPendingTokens`), their key
+/// placements (`placed`) or last blocks (`lastBlocks`). The sidecar layout without
 /// `--peer-gateway-service` (docs/fleet-state.md, "Sidecars that read each
 /// other"). At K = 1 it is kvroute.
 pub const ALONE: &str = "kvroute-alone";
@@ -385,8 +385,9 @@ enum Layout {
     /// `?placed=1`) and gives each gateway the sum of the *others'*
     /// pending prefill per replica (`peerPendingTokens`, which the filter
     /// drains at `prefillTokensPerS` from the host's scrape time) and of
-    /// their recent arrivals (`peerArrivalsPerS`), and their recent key
-    /// placements (`placed`) (kvroute-collector, push.rs).
+    /// their recent arrivals (`peerArrivalsPerS`), their recent key
+    /// placements (`placed`) and their requests' last blocks
+    /// (`lastBlocks`, with `?lastBlocks=1`) (kvroute-collector, push.rs).
     Collector,
     /// [`ALONE`]: neither.
     Alone,
@@ -576,8 +577,20 @@ impl Router for Kvroute {
                     placed::report(&g.store, &self.cfg.fleet.placed_key, &[&self.fleet], now_ms)
                 }),
         );
+        // And their requests' last blocks, read the same way.
+        let last_blocks = placed::merge_last(
+            self.gateways
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| peer_placements && i != gw && self.cfg.fleet.share_last_blocks)
+                .flat_map(|(_, g)| {
+                    let key = &self.cfg.fleet.last_blocks_key;
+                    placed::report_last(&g.store, key, &[&self.fleet], now_ms)
+                }),
+        );
         let snap = Snapshot {
             placed,
+            last_blocks,
             version: SNAPSHOT_VERSION,
             seq: self.seq,
             collector: "sim".to_owned(),
