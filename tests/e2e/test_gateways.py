@@ -378,16 +378,9 @@ def test_the_gateways_share_their_pending_prefill(stack_factory, wasm_path, coll
         assert f.result().status == 200
 
 
-def test_a_key_placed_off_home_follows_to_the_other_gateway(stack_factory, wasm_path, collector_binary):
-    """Key memory (`fleet.coldHomeShare`) across two gateways and one
-    collector: every key's first request that gateway a places, off its
-    busy home or on its home, is reported in a's load (`GET
-    /v1/fleet/load?placed=1`), the collector hands it to b in its
-    snapshots, and b sends the key's next request, which it has never
-    seen, to the same replica (for a key that left its home: rather than
-    to the home). At share 0 a cold prompt credits its home with nothing,
-    so the home's pending prefill alone moves it."""
-    overrides = {"fleet": {"coldHomeShare": 0}, "explainHeader": True}
+def shared_collector_pair(stack_factory, collector_binary, overrides: dict):
+    """Gateways a and b on four idle replicas, one collector pushing to both
+    (so each learns the other's load, placements and last blocks)."""
     a = stack_factory(replicas=4, concurrency=2, ingest_token=TOKEN, plugin_overrides=overrides)
     b = stack_factory(fleet_of=a, concurrency=2, ingest_token=TOKEN, plugin_overrides=overrides)
     for host in a.live_hosts:
@@ -397,13 +390,17 @@ def test_a_key_placed_off_home_follows_to_the_other_gateway(stack_factory, wasm_
                       collector_id="shared")
     for gw in (a, b):
         wait_until(lambda gw=gw: metric(gw, "kvroute_fleet_hosts") == 4, 10.0, "four replicas in the snapshot")
+    return a, b
 
-    # About 30k tokens held 4 s before their first byte: pending prefill on
-    # one replica, as a sees it.
+
+def hold_long_prompt(a: harness.Stack, tag: str):
+    """About 30k tokens held 4 s before their first byte, sent through a:
+    pending prefill on one replica, as a sees it. Returns the request's
+    future and the set holding that replica's address."""
     pool = ThreadPoolExecutor(max_workers=1)
     held = pool.submit(send, a.gateway_url, CHAT,
-                       json_body=chat_body(user_text="held " + filler("held", 120_000)),
-                       session="held", headers={BODY_DELAY_HEADER: "4000"}, timeout=20)
+                       json_body=chat_body(user_text="held " + filler(tag, 120_000)),
+                       session=tag, headers={BODY_DELAY_HEADER: "4000"}, timeout=20)
     pool.shutdown(wait=False)
     busy: set[str] = set()
 
@@ -416,6 +413,21 @@ def test_a_key_placed_off_home_follows_to_the_other_gateway(stack_factory, wasm_
         return len(busy) == 1
 
     wait_until(a_has_pending, 5.0, "the held prompt in a's load table")
+    return held, busy
+
+
+def test_a_key_placed_off_home_follows_to_the_other_gateway(stack_factory, wasm_path, collector_binary):
+    """Key memory (`fleet.coldHomeShare`) across two gateways and one
+    collector: every key's first request that gateway a places, off its
+    busy home or on its home, is reported in a's load (`GET
+    /v1/fleet/load?placed=1`), the collector hands it to b in its
+    snapshots, and b sends the key's next request, which it has never
+    seen, to the same replica (for a key that left its home: rather than
+    to the home). At share 0 a cold prompt credits its home with nothing,
+    so the home's pending prefill alone moves it."""
+    overrides = {"fleet": {"coldHomeShare": 0}, "explainHeader": True}
+    a, b = shared_collector_pair(stack_factory, collector_binary, overrides)
+    held, busy = hold_long_prompt(a, "held")
     # New keys, each its first request: those whose home is the busy
     # replica go elsewhere (a quarter of them; 24 keys leave none with
     # probability 0.1 %), the rest go home. Every one is reported.
@@ -465,34 +477,10 @@ def test_a_conversations_next_turn_follows_its_last_block_to_the_other_gateway(
     only the last blocks tell b: without them b would send a moved
     conversation home."""
     overrides = {"fleet": {"coldHomeShare": 0.95, "sharedOnlyHomeShare": 0.95}, "explainHeader": True}
-    a = stack_factory(replicas=4, concurrency=2, ingest_token=TOKEN, plugin_overrides=overrides)
-    b = stack_factory(fleet_of=a, concurrency=2, ingest_token=TOKEN, plugin_overrides=overrides)
-    for host in a.live_hosts:
-        a.replica_control(host, ready=True, running=2, models=["test-model"], kv=0.3, waiting=0)
-    a.start_collector(binary=collector_binary, gateways=[a.ingest_url, b.ingest_url],
-                      interval_ms=COLLECTOR_INTERVAL_MS, metrics_port=harness.free_ports(1)[0],
-                      collector_id="shared")
-    for gw in (a, b):
-        wait_until(lambda gw=gw: metric(gw, "kvroute_fleet_hosts") == 4, 10.0, "four replicas in the snapshot")
+    a, b = shared_collector_pair(stack_factory, collector_binary, overrides)
     # The collector has read a's last blocks: a writes them from now on.
     wait_until(lambda: metric(b, "kvroute_ingest_accepted_total") >= 3, 10.0, "a few collector rounds")
-
-    pool = ThreadPoolExecutor(max_workers=1)
-    held = pool.submit(send, a.gateway_url, CHAT,
-                       json_body=chat_body(user_text="held " + filler("held-last", 120_000)),
-                       session="held-last", headers={BODY_DELAY_HEADER: "4000"}, timeout=20)
-    pool.shutdown(wait=False)
-    busy: set[str] = set()
-
-    def a_has_pending() -> bool:
-        status, body = gateway_load(a)
-        if status != 200:
-            return False
-        busy.clear()
-        busy.update(h["address"] for h in body["hosts"] if h["prefillPendingTokens"] >= 5000)
-        return len(busy) == 1
-
-    wait_until(a_has_pending, 5.0, "the held prompt in a's load table")
+    held, busy = hold_long_prompt(a, "held-last")
 
     def conversation(i: int, n: int) -> list[dict]:
         messages = [{"role": "user", "content": f"conversation {i}: " + filler(f"last-{i}", 8000)}]

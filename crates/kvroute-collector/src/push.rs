@@ -199,42 +199,58 @@ impl LoadBoard {
     /// ages counted to `now_ms`, for a gateway whose own last report had
     /// the field (it reads them); `None` for one that does not.
     pub fn placed_for(&self, me: &str, now_ms: u64) -> Option<Vec<Placement>> {
-        let slots = self.lock();
-        let mine = slots.get(me)?.load.as_ref()?;
-        mine.1.placed.as_ref()?;
-        let others = slots.iter().filter(|(g, _)| g.as_str() != me);
-        let young = others
-            .filter_map(|(_, s)| s.load.as_ref())
-            .filter(|(read_ms, _)| now_ms.saturating_sub(*read_ms) <= LOAD_MAX_AGE_MS);
-        Some(placed::merge(young.flat_map(|(read_ms, r)| {
-            let since = now_ms.saturating_sub(*read_ms);
-            r.placed.iter().flatten().map(move |p| Placement {
+        let all = self.of_others(
+            me,
+            now_ms,
+            |r| r.placed.as_deref(),
+            |p, since| Placement {
                 age_ms: p.age_ms.saturating_add(since),
                 ..p.clone()
-            })
-        })))
+            },
+        )?;
+        Some(placed::merge(all))
     }
-}
 
-impl LoadBoard {
     /// The other gateways' recent requests' last blocks
     /// ([`placed::report_last`]), aged to `now_ms`, for a gateway whose own
     /// last report had the field; `None` for one that does not.
     pub fn last_blocks_for(&self, me: &str, now_ms: u64) -> Option<Vec<LastBlock>> {
+        let all = self.of_others(
+            me,
+            now_ms,
+            |r| r.last_blocks.as_deref(),
+            |b, since| LastBlock {
+                age_ms: b.age_ms.saturating_add(since),
+                ..b.clone()
+            },
+        )?;
+        Some(placed::merge_last(all))
+    }
+
+    /// A list field (`field`) of the other gateways' reads younger than
+    /// [`LOAD_MAX_AGE_MS`], each item aged by `aged` to `now_ms` (given
+    /// the ms since its read), for a gateway whose own last report had the
+    /// field; `None` for one that does not.
+    fn of_others<T>(
+        &self,
+        me: &str,
+        now_ms: u64,
+        field: impl Fn(&LoadReport) -> Option<&[T]>,
+        aged: impl Fn(&T, u64) -> T,
+    ) -> Option<Vec<T>> {
         let slots = self.lock();
         let mine = slots.get(me)?.load.as_ref()?;
-        mine.1.last_blocks.as_ref()?;
+        field(&mine.1)?;
         let others = slots.iter().filter(|(g, _)| g.as_str() != me);
         let young = others
             .filter_map(|(_, s)| s.load.as_ref())
             .filter(|(read_ms, _)| now_ms.saturating_sub(*read_ms) <= LOAD_MAX_AGE_MS);
-        Some(placed::merge_last(young.flat_map(|(read_ms, r)| {
+        let mut out = Vec::new();
+        for (read_ms, r) in young {
             let since = now_ms.saturating_sub(*read_ms);
-            r.last_blocks.iter().flatten().map(move |b| LastBlock {
-                age_ms: b.age_ms.saturating_add(since),
-                ..b.clone()
-            })
-        })))
+            out.extend(field(r).unwrap_or_default().iter().map(|x| aged(x, since)));
+        }
+        Some(out)
     }
 }
 

@@ -283,10 +283,7 @@ pub fn recent(
         .rev()
         .filter(|&&[_, _, at]| now_ms.saturating_sub(at) <= REPORT_MS)
         .filter_map(|&[key, host, at]| {
-            let address = known.iter().find_map(|set| {
-                let i = set.index_of(host)?;
-                set.get(i).map(|h| h.addr.clone())
-            })?;
+            let address = address_of(known, host)?;
             Some(Placement {
                 key: format!("{key:016x}"),
                 address,
@@ -299,12 +296,31 @@ pub fn recent(
 /// Several gateways' placements as one snapshot's: youngest first, one per
 /// key (its youngest), at most [`MAX_SNAPSHOT`].
 pub fn merge(placed: impl IntoIterator<Item = Placement>) -> Vec<Placement> {
-    let mut all: Vec<Placement> = placed.into_iter().collect();
-    all.sort_by_key(|p| p.age_ms);
-    let mut keys = std::collections::HashSet::new();
-    all.retain(|p| keys.insert(p.key.clone()));
-    all.truncate(MAX_SNAPSHOT);
+    youngest(placed, |p| p.age_ms, |p| p.key.clone(), MAX_SNAPSHOT)
+}
+
+/// `items` youngest first (by `age`), the youngest of each `key`, at most
+/// `cap`.
+fn youngest<T, K: std::hash::Hash + Eq>(
+    items: impl IntoIterator<Item = T>,
+    age: impl Fn(&T) -> u64,
+    key: impl Fn(&T) -> K,
+    cap: usize,
+) -> Vec<T> {
+    let mut all: Vec<T> = items.into_iter().collect();
+    all.sort_by_key(&age);
+    let mut seen = std::collections::HashSet::new();
+    all.retain(|x| seen.insert(key(x)));
+    all.truncate(cap);
     all
+}
+
+/// The address of `host` in the first of `known` that has it.
+fn address_of(known: &[&HostSet], host: u64) -> Option<String> {
+    known.iter().find_map(|set| {
+        let i = set.index_of(host)?;
+        set.get(i).map(|h| h.addr.clone())
+    })
 }
 
 /// Writes pushed placements into the prefix index, each as made `ageMs`
@@ -422,10 +438,7 @@ pub fn report_last(
         .rev()
         .filter(|&&[_, _, at, _]| now_ms.saturating_sub(at) <= LAST_REPORT_MS)
         .filter_map(|&[block, host, at, blocks]| {
-            let address = known.iter().find_map(|set| {
-                let i = set.index_of(host)?;
-                set.get(i).map(|h| h.addr.clone())
-            })?;
+            let address = address_of(known, host)?;
             Some(LastBlock {
                 block: format!("{block:016x}"),
                 blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
@@ -441,12 +454,12 @@ pub fn report_last(
 /// Several gateways' last blocks as one snapshot's: youngest first, one
 /// per block and replica (its youngest), at most [`MAX_SNAPSHOT_LAST`].
 pub fn merge_last(last: impl IntoIterator<Item = LastBlock>) -> Vec<LastBlock> {
-    let mut all: Vec<LastBlock> = last.into_iter().collect();
-    all.sort_by_key(|b| b.age_ms);
-    let mut seen = std::collections::HashSet::new();
-    all.retain(|b| seen.insert((b.block.clone(), b.address.clone())));
-    all.truncate(MAX_SNAPSHOT_LAST);
-    all
+    youngest(
+        last,
+        |b| b.age_ms,
+        |b| (b.block.clone(), b.address.clone()),
+        MAX_SNAPSHOT_LAST,
+    )
 }
 
 /// Writes pushed last blocks into the prefix index, each as sent `ageMs`
