@@ -166,6 +166,11 @@ struct Ring<'a> {
 /// The word of a ring entry that holds its time.
 const AT: usize = 2;
 
+/// When a ring entry was made (0 for an entry too short to say).
+fn made_at<const W: usize>(e: &[u64; W]) -> u64 {
+    e.get(AT).copied().unwrap_or(0)
+}
+
 impl Ring<'_> {
     fn read<const W: usize>(&self, store: &dyn SharedData) -> Vec<[u64; W]> {
         match store.get(self.key) {
@@ -192,7 +197,7 @@ impl Ring<'_> {
             entries.push(entry);
             let old = entries
                 .iter()
-                .take_while(|e| now_ms.saturating_sub(e[AT]) > self.keep_ms)
+                .take_while(|e| now_ms.saturating_sub(made_at(e)) > self.keep_ms)
                 .count();
             let drop = entries.len().saturating_sub(self.cap).max(old);
             match store.set(
@@ -205,7 +210,7 @@ impl Ring<'_> {
                     let Some(r) = reported else {
                         return 0;
                     };
-                    let unread = entries.iter().take(drop).filter(|e| e[AT] > r);
+                    let unread = entries.iter().take(drop).filter(|e| made_at(e) > r);
                     return unread.count() as u64;
                 }
                 Err(_) => return unwritten,
