@@ -114,9 +114,7 @@ pub struct Placement {
 impl Placement {
     /// The key, when it is 16 hex digits.
     pub fn key_value(&self) -> Option<u64> {
-        (self.key.len() == 16)
-            .then(|| u64::from_str_radix(&self.key, 16).ok())
-            .flatten()
+        hex16(&self.key)
     }
 }
 
@@ -180,10 +178,16 @@ impl Ring<'_> {
     }
 
     /// Appends `entry` (made at `now_ms`), dropping the oldest beyond
-    /// `cap` and those older than `keep_ms`. See [`note`] for the count it
-    /// returns.
-    fn append<const W: usize>(&self, store: &dyn SharedData, entry: [u64; W], now_ms: u64) -> u64 {
-        let reported = reported_at(store, self.key);
+    /// `cap` and those older than `keep_ms`; `reported` is when a load
+    /// report last carried the ring ([`reported_at`], read by the caller).
+    /// See [`note`] for the count it returns.
+    fn append<const W: usize>(
+        &self,
+        store: &dyn SharedData,
+        entry: [u64; W],
+        reported: Option<u64>,
+        now_ms: u64,
+    ) -> u64 {
         // This entry, if it is not written.
         let unwritten = u64::from(reported.is_some());
         for _ in 0..MAX_CAS_TRIES {
@@ -248,7 +252,8 @@ fn reported_at(store: &dyn SharedData, ring_key: &str) -> Option<u64> {
 /// Counted only once some collector has read the ring: a gateway no
 /// collector reads for placements loses nothing it could have shared.
 pub fn note(store: &dyn SharedData, ring_key: &str, key: u64, host: u64, now_ms: u64) -> u64 {
-    placements(ring_key).append(store, [key, host, now_ms], now_ms)
+    let reported = reported_at(store, ring_key);
+    placements(ring_key).append(store, [key, host, now_ms], reported, now_ms)
 }
 
 /// The ring of key placements under `ring_key`.
@@ -375,10 +380,15 @@ pub struct LastBlock {
 impl LastBlock {
     /// The block hash, when it is 16 hex digits.
     pub fn block_value(&self) -> Option<u64> {
-        (self.block.len() == 16)
-            .then(|| u64::from_str_radix(&self.block, 16).ok())
-            .flatten()
+        hex16(&self.block)
     }
+}
+
+/// `s` as a u64, when it is 16 hex digits.
+fn hex16(s: &str) -> Option<u64> {
+    (s.len() == 16)
+        .then(|| u64::from_str_radix(s, 16).ok())
+        .flatten()
 }
 
 const LAST_MAGIC: &[u8; 4] = b"KVL1";
@@ -425,7 +435,7 @@ pub fn note_last(
         return None;
     }
     let entry = [block, host, now_ms, u64::from(blocks)];
-    Some(last_blocks(ring_key).append(store, entry, now_ms))
+    Some(last_blocks(ring_key).append(store, entry, Some(read), now_ms))
 }
 
 /// The ring's last blocks younger than [`LAST_REPORT_MS`] whose host is
