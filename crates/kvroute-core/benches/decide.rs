@@ -7,12 +7,16 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute_core::admit::{arrive, Objective, Queue};
-use kvroute_core::decide::{analyze, headroom, pick};
+use kvroute_core::decide::{analyze, headroom, pick, route};
 use kvroute_core::fleet::{FleetView, HostState, Snapshot, SNAPSHOT_VERSION};
+use kvroute_core::host::{MemorySharedData, SharedData, Tally};
+use kvroute_core::index::{Index, IndexCache};
 use kvroute_core::load::{Charge, LoadTable};
+use kvroute_core::placed::{self, LastBlock};
 use kvroute_core::split::SharedSplits;
 use kvroute_core::{Config, Endpoint};
 use std::hint::black_box;
+use std::time::Instant;
 
 mod common;
 use common::{chat_body, config, loads};
@@ -38,6 +42,13 @@ fn bench(c: &mut Criterion) {
 }
 
 fn snapshot_json(hosts: usize) -> Vec<u8> {
+    snapshot_with_last(hosts, 0)
+}
+
+/// The snapshot of [`snapshot_json`] carrying `last` of the other
+/// gateways' last blocks ([`placed::note_last`]), spread over its replicas
+/// and over the last 2 s.
+fn snapshot_with_last(hosts: usize, last: usize) -> Vec<u8> {
     let hosts: Vec<HostState> = (0..hosts)
         .map(|i| HostState {
             address: format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256),
@@ -55,9 +66,20 @@ fn snapshot_json(hosts: usize) -> Vec<u8> {
             peer_arrivals_per_s: None,
         })
         .collect();
+    let last_blocks = (0..last)
+        .map(|i| LastBlock {
+            block: format!(
+                "{:016x}",
+                (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            ),
+            blocks: 100 + (i % 900) as u32,
+            address: hosts[i % hosts.len()].address.clone(),
+            age_ms: (i * 2000 / last.max(1)) as u64,
+        })
+        .collect();
     Snapshot {
         placed: Vec::new(),
-        last_blocks: Vec::new(),
+        last_blocks,
         version: SNAPSHOT_VERSION,
         seq: 1,
         collector: "bench".into(),
@@ -210,8 +232,118 @@ fn bench_splits(c: &mut Criterion) {
     group.finish();
 }
 
+/// Gateway ms at which the fleet benches' snapshot was taken.
+const T0: u64 = 1_764_400_000_000;
+
+/// What sharing last blocks (`fleet.shareLastBlocks`,
+/// [`placed::note_last`]) adds, at four gateways of 100 requests/s each
+/// and a 250 ms push:
+/// - per request: the fleet-mode decision after the parse (`route`: pick,
+///   prefix index, load table, over in-memory shared data; the parse and
+///   hash, `analyze`, timed apart), 32 KB body, 16
+///   replicas, with sharing off and on. The clock moves 10 ms a request;
+///   every 25 requests (not timed) a collector reads the ring, so that it
+///   holds the last 2 s (about 200 entries), and the snapshot is pushed
+///   again, so that it stays fresh;
+/// - per push and worker: decoding a snapshot with the other gateways'
+///   600 last blocks, and writing them into the prefix index (first
+///   delivery; then the next 7 pushes carry them again and find them).
+fn bench_last_blocks(c: &mut Criterion) {
+    let mut group = c.benchmark_group("last_blocks");
+    let body = chat_body(32 << 10);
+    let Ok(snap) = Snapshot::from_json(&snapshot_json(16)) else {
+        return;
+    };
+    // The parse and hash that precede `route` on the request path.
+    let Some(cfg) = config(8) else { return };
+    group.bench_function(BenchmarkId::new("analyze", "32KB"), |b| {
+        b.iter(|| analyze(&cfg, Endpoint::ChatCompletions, None, black_box(&body)))
+    });
+    for share in [false, true] {
+        let mut cfg = cfg.clone();
+        cfg.fleet.share_last_blocks = share;
+        let Ok(facts) = analyze(&cfg, Endpoint::ChatCompletions, None, &body) else {
+            return;
+        };
+        let store = MemorySharedData::default();
+        let metrics = Tally::default();
+        let mut cache = IndexCache::default();
+        let key = cfg.fleet.last_blocks_key.clone();
+        let mut now = T0;
+        let mut view = FleetView::new(snap.clone(), now);
+        // A reader first (then 2 s of requests below: the ring's steady
+        // state).
+        let _ = placed::report_last(&store, &key, &[&view.set], now);
+        // One request, timed; the push every 25 requests is not.
+        let mut step = || {
+            now += 10;
+            if now % 250 == 0 {
+                let _ = placed::report_last(&store, &key, &[&view.set], now);
+                view = FleetView::new(snap.clone(), now);
+            }
+            let start = Instant::now();
+            let d = route(
+                &cfg,
+                &store,
+                &metrics,
+                &mut cache,
+                Ok(&facts),
+                Some(&view),
+                now,
+                now,
+            );
+            let took = start.elapsed();
+            black_box(d.pick);
+            took
+        };
+        for _ in 0..200 {
+            let _ = step();
+        }
+        if share {
+            let ring = store
+                .get(&key)
+                .ok()
+                .and_then(|(v, _)| v)
+                .unwrap_or_default();
+            println!("last_blocks: the ring holds {} bytes after 2 s", ring.len());
+        }
+        let name = if share { "route-shared" } else { "route" };
+        group.bench_function(BenchmarkId::new(name, "32KB-16hosts"), |b| {
+            b.iter_custom(|iters| (0..iters).map(|_| step()).sum())
+        });
+    }
+    let index = Index::of(&cfg.fleet);
+    for last in [0usize, 600] {
+        let json = snapshot_with_last(16, last);
+        group.throughput(Throughput::Bytes(json.len() as u64));
+        group.bench_with_input(
+            BenchmarkId::new("snapshot_decode", format!("16hosts-{last}last")),
+            &json,
+            |b, json| b.iter(|| Snapshot::from_json(black_box(json)).map(|s| FleetView::new(s, 0))),
+        );
+    }
+    group.throughput(Throughput::Elements(600));
+    let Ok(snap) = Snapshot::from_json(&snapshot_with_last(16, 600)) else {
+        return;
+    };
+    group.bench_function(BenchmarkId::new("apply_last", "600-new"), |b| {
+        b.iter_batched(
+            MemorySharedData::default,
+            |store| placed::apply_last(&store, &index, &snap.last_blocks, T0),
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    let store = MemorySharedData::default();
+    let _ = placed::apply_last(&store, &index, &snap.last_blocks, T0);
+    group.bench_function(BenchmarkId::new("apply_last", "600-again"), |b| {
+        b.iter(|| placed::apply_last(&store, &index, black_box(&snap.last_blocks), T0))
+    });
+    group.finish();
+}
+
 criterion_group!(
     benches,
+    bench_last_blocks,
     bench,
     bench_splits,
     bench_snapshot,
