@@ -153,11 +153,6 @@ struct Ring<'a> {
 /// The word of a ring entry that holds its time.
 const AT: usize = 2;
 
-/// When a ring entry was made (0 for an entry too short to say).
-fn made_at<const W: usize>(e: &[u64; W]) -> u64 {
-    e.get(AT).copied().unwrap_or(0)
-}
-
 impl Ring<'_> {
     fn read<const W: usize>(&self, store: &dyn SharedData) -> Vec<[u64; W]> {
         match store.get(self.key) {
