@@ -17,6 +17,7 @@
 //! | `bursts` | chat sessions of 1-7 turns (answers 100-400 tokens, 8 shared 1k-token system prompts) arriving on/off: 30 s at 3x the mean rate, then 60 s of nothing | 2 new sessions/s on average |
 //! | `ramp` | the same sessions, the rate ramping linearly from 0.25x to 1.75x the mean over the run | 2 new sessions/s on average |
 //! | `tenants` | many tenants: 200 distinct system prompts per replica (~2k tokens), Zipf popularity (s = 1), 1-3 turns of short questions | 4 new sessions/s |
+//! | `documents` | long-context conversations: a 1k-token system prompt (4 shared), then a document of its own (lognormal, median 10k tokens, 2k-32k) with the first question, 3-8 follow-ups of ~200 tokens, answers ~350 tokens (lognormal), think ~8 s; contexts of 10k-40k tokens, so KV memory binds | 0.2 new sessions/s |
 //!
 //! Plus any Mooncake-format trace ([`crate::workload::from_mooncake`]).
 
@@ -25,7 +26,14 @@ use crate::workload::{Session, Text, Turn, Workload, BYTES_PER_TOKEN};
 
 /// The generated families, in report order.
 pub const FAMILIES: &[&str] = &[
-    "chat", "groups", "mix", "agent", "bursts", "ramp", "tenants",
+    "chat",
+    "groups",
+    "mix",
+    "agent",
+    "bursts",
+    "ramp",
+    "tenants",
+    "documents",
 ];
 
 /// How to generate a family.
@@ -289,6 +297,38 @@ pub fn generate(name: &str, o: &FamilyOptions) -> Result<Workload, String> {
                 })
                 .collect()
         }
+        "documents" => {
+            let starts = arrivals(&mut rng, 0.2 * r * o.load, o.duration_s, 1.0, flat);
+            let systems = Zipf::new(4, 1.1);
+            starts
+                .into_iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    let sys = systems.draw(&mut rng) as u64;
+                    let document = clamp(rng.lognormal(10_000.0, 0.5), 2048, 32_768);
+                    let n = 4 + rng.below(6) as usize;
+                    Session {
+                        start_ms: t,
+                        key: Some(format!("documents-{i}")),
+                        objective: None,
+                        system: Some(words(0x444f_4353_0000_0000 | sys, 1024)),
+                        turns: (0..n)
+                            .map(|k| {
+                                let asked = clamp(rng.lognormal(200.0, 0.6), 8, 2048);
+                                Turn {
+                                    user: words(
+                                        rng.next_u64(),
+                                        if k == 0 { document + asked } else { asked },
+                                    ),
+                                    max_tokens: clamp(rng.lognormal(350.0, 0.5), 16, 2048) as u32,
+                                    think_ms: if k == 0 { 0.0 } else { rng.exp(8000.0) },
+                                }
+                            })
+                            .collect(),
+                    }
+                })
+                .collect()
+        }
         other => {
             return Err(format!(
                 "unknown family {other:?}; known: {}",
@@ -445,5 +485,19 @@ mod tests {
             .map(|s| format!("{:?}", s.system))
             .collect();
         assert!(distinct.len() > 300, "{} tenants seen", distinct.len());
+        // Documents: each session's first turn carries its own document.
+        let documents = generate("documents", &opts(16)).unwrap();
+        for s in &documents.sessions {
+            assert!((4..=9).contains(&s.turns.len()));
+            let first = s.turns[0].user.len() / 4;
+            assert!((2048..=32_768 + 2048).contains(&first), "document {first}");
+            assert!(s.turns[1..].iter().all(|t| t.user.len() / 4 <= 2048));
+        }
+        let firsts: std::collections::HashSet<_> = documents
+            .sessions
+            .iter()
+            .map(|s| format!("{:?}", s.turns[0].user))
+            .collect();
+        assert_eq!(firsts.len(), documents.sessions.len(), "one document each");
     }
 }
