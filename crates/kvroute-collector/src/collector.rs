@@ -14,7 +14,9 @@
 //! pusher shares one load board (push.rs). Peers (`--peer-gateways`, and
 //! every address a peer service resolves to but this collector's own
 //! gateway) get a thread that reads their load onto the board and pushes
-//! nothing.
+//! nothing. A gateway alone on the board (a service or peer service that
+//! names only it) is told that no other gateway has load
+//! (`peerPendingTokens` 0, [`crate::push::LoadBoard::others`]).
 //!
 //! When a snapshot is built:
 //!

@@ -162,8 +162,19 @@ impl LoadBoard {
     /// The other gateways' pending prefill by address, summed over reads
     /// younger than [`LOAD_MAX_AGE_MS`]; `None` when no other gateway's
     /// load is known.
+    ///
+    /// A board exists only where the collector was given the gateways (a
+    /// gateway service, peers, or a list of several), so a board on which
+    /// `me` is alone knows there is no other gateway: none has load
+    /// (an empty sum, not `None`), and the gateway's snapshots say so
+    /// (`peerPendingTokens` 0), which its router reads as a fleet whose
+    /// gateways all learn where a request went (`sharedOnlyHomeShare`).
+    /// A lone sidecar, given only its own gateway, has no board.
     pub fn others(&self, me: &str, now_ms: u64) -> Option<HashMap<String, PeerLoad>> {
         let slots = self.lock();
+        if slots.contains_key(me) && slots.len() == 1 {
+            return Some(HashMap::new());
+        }
         let mut sum: Option<HashMap<String, PeerLoad>> = None;
         for (gateway, slot) in slots.iter() {
             let Some((read_ms, report)) = &slot.load else {
@@ -747,7 +758,14 @@ mod tests {
     #[test]
     fn the_board_sums_the_other_gateways_fresh_reads() {
         let b = LoadBoard::new();
-        for g in ["g0", "g1", "g2"] {
+        b.join("g0");
+        assert_eq!(
+            b.others("g0", 10_000),
+            Some(HashMap::new()),
+            "alone on the board: no other gateway has load"
+        );
+        assert_eq!(b.others("g9", 10_000), None, "not on the board");
+        for g in ["g1", "g2"] {
             b.join(g);
         }
         assert_eq!(b.others("g0", 10_000), None, "nothing read yet");
@@ -800,6 +818,8 @@ mod tests {
         assert_eq!(b.others("g0", 12_000).unwrap()["a:1"].pending, 3);
         b.leave("g1");
         assert_eq!(b.others("g0", 12_000), None);
+        b.leave("g2");
+        assert_eq!(b.others("g0", 12_000), Some(HashMap::new()), "alone again");
     }
 
     #[test]

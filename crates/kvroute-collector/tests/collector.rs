@@ -561,13 +561,14 @@ fn a_gateway_service_pushes_to_each_address_it_resolves_to() {
     let snapshots = posted;
     let peer = |s: &Snapshot, addr: SocketAddr| host(s, addr).peer_pending_tokens;
 
-    // A alone: pushed to, with no other gateway's load to carry.
+    // A alone: pushed to, and told that no other gateway has load (the
+    // service names every gateway, and only A).
     assert!(wait_until(Duration::from_secs(5), || snapshots(&gw_a)
         .len()
         >= 2));
     assert!(snapshots(&gw_a)
         .iter()
-        .all(|s| s.hosts.iter().all(|h| h.peer_pending_tokens.is_none())));
+        .all(|s| s.hosts.iter().all(|h| h.peer_pending_tokens == Some(0))));
     assert!(snapshots(&gw_b).is_empty());
     assert!(metric_line_present(
         metrics_addr,
@@ -616,7 +617,7 @@ fn a_gateway_service_pushes_to_each_address_it_resolves_to() {
     assert!(snapshots(&gw_b)
         .iter()
         .skip(b_since + 1)
-        .all(|s| s.hosts.iter().all(|h| h.peer_pending_tokens.is_none())));
+        .all(|s| s.hosts.iter().all(|h| h.peer_pending_tokens == Some(0))));
     assert!(
         wait_until(Duration::from_secs(5), || !http_get(
             metrics_addr,

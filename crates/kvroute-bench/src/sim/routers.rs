@@ -388,6 +388,9 @@ enum Layout {
     /// their recent arrivals (`peerArrivalsPerS`), their recent key
     /// placements (`placed`) and their requests' last blocks
     /// (`lastBlocks`, with `?lastBlocks=1`) (kvroute-collector, push.rs).
+    /// At one gateway, the collector knows it is the only one (it was given
+    /// the gateways, by a service or a list) and says no other has load:
+    /// `peerPendingTokens` 0 on every replica.
     Collector,
     /// [`ALONE`]: neither.
     Alone,
@@ -535,10 +538,13 @@ impl Router for Kvroute {
         let taken_ms = self.now_ms(taken_s);
         // The other gateways' pending prefill and arrivals per replica, as
         // the real collector gets them: each gateway's load report (the ingest
-        // listener's answer), read at the push, summed by address. A
-        // collector that pushes to one gateway reads none.
+        // listener's answer), read at the push, summed by address. One
+        // collector for every gateway knows them all (a gateway service or a
+        // list), so at one gateway it says that no other has load (0 on
+        // every replica, push.rs `LoadBoard::others`); sidecars that do not
+        // read each other say nothing.
         let others = self.gateways.len() > 1;
-        let peer_load = others && matches!(self.layout, Layout::Collector | Layout::OracleIndex);
+        let peer_load = matches!(self.layout, Layout::Collector | Layout::OracleIndex);
         let peer_placements = others && self.layout != Layout::Alone;
         let hosts = &self.fleet;
         let now_ms = self.now_ms(now_s);
