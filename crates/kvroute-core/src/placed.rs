@@ -118,6 +118,14 @@ impl Placement {
     }
 }
 
+/// The little-endian word `k` of `bytes` (0 where `bytes` is too short).
+fn word(bytes: &[u8], k: usize) -> u64 {
+    bytes
+        .get(k * 8..k * 8 + 8)
+        .and_then(|b| b.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
 /// A ring's entries: `W` little-endian words each, after the ring's magic.
 /// A value with another magic reads as empty.
 fn decode<const W: usize>(magic: &[u8; 4], bytes: &[u8]) -> Vec<[u64; W]> {
@@ -125,17 +133,7 @@ fn decode<const W: usize>(magic: &[u8; 4], bytes: &[u8]) -> Vec<[u64; W]> {
         return Vec::new();
     };
     body.chunks_exact(W * 8)
-        .map(|c| {
-            let mut e = [0u64; W];
-            for (k, w) in e.iter_mut().enumerate() {
-                let mut b = [0u8; 8];
-                if let Some(s) = c.get(k * 8..k * 8 + 8) {
-                    b.copy_from_slice(s);
-                }
-                *w = u64::from_le_bytes(b);
-            }
-            e
-        })
+        .map(|c| std::array::from_fn(|k| word(c, k)))
         .collect()
 }
 
@@ -191,11 +189,10 @@ impl Ring<'_> {
                 .and_then(|v| v.strip_prefix(self.magic.as_slice()))
                 .unwrap_or_default();
             let stored = body.len() / width.max(1);
+            // When stored entry `i` was made (0 for an entry too short to say).
             let at = |i: usize| {
-                let word = body.get(i * width + AT * 8..i * width + AT * 8 + 8);
-                word.filter(|_| AT < W)
-                    .and_then(|b| b.try_into().ok())
-                    .map_or(0, u64::from_le_bytes)
+                let e = body.get(i * width..(i + 1) * width).unwrap_or_default();
+                word(e, AT)
             };
             let old = (0..stored)
                 .take_while(|&i| now_ms.saturating_sub(at(i)) > self.keep_ms)
