@@ -35,7 +35,7 @@ CRD_TOOLS   := $(TOOLS)/crd
 
 .PHONY: all build wasm collector tools targets venv wasm-bindgen test test-native test-wasm test-e2e \
         lint fmt demo up bench bench-smoke bench-tools bench-build bench-decide bench-overhead clean oci oci-tool oci-tools collector-static collector-image crd-tools \
-        faults soak sim sim-no-session sim-bare sim-smoke sim-hour sim-overload engines test-engines
+        faults soak sim sim-no-session sim-bare sim-mixed sim-smoke sim-hour sim-overload engines test-engines
 
 all: build
 
@@ -299,6 +299,17 @@ sim-no-session: bench-build
 sim-bare: bench-build
 	$(BENCH_BIN) suite --out docs/simulation-bare --docs docs/simulation-bare.md --trace $(TRACE) \
 	  --replicas 16 --gateways 1,4 --seed $(SIM_SEEDS) --jobs 2 --no-session-header --flat-prompt $(SIM_ARGS)
+
+# The same suite on a fleet of two GPU generations: half the engines model
+# an A100 80GB (prefill about 0.3x the H100's), every workload at 0.6x its
+# calibrated rate, seeds 1-3, with kvroute-known-rates (each replica's true
+# prefill rate in the snapshot, an upper bound) beside the routers
+# (docs/simulation-mixed.md; docs/fleet-state.md, "A fleet of two GPU
+# generations"). About 25 minutes.
+sim-mixed: bench-build
+	$(BENCH_BIN) suite --out docs/simulation-mixed --docs docs/simulation-mixed.md --trace $(TRACE) \
+	  --replicas 16 --gateways 1,4 --seed 1,2,3 --jobs 2 --a100-share 0.5 --load 0.6 \
+	  --routers round-robin,least-request,ring-hash,consistent-hash,sglang-cache-aware,llm-d,dynamo,kvroute,kvroute-known-rates $(SIM_ARGS)
 
 # A few seconds of simulation as part of `make test`: two families through
 # every router on 4 replicas and 2 gateways, with the report's checks.

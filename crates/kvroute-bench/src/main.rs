@@ -155,6 +155,13 @@ struct SuiteArgs {
     /// kvroute's plugin JSON without `hosts`, e.g. '{"fleet":{"memoryKnee":0.7}}'.
     #[arg(long, default_value = "{}")]
     kvroute_config: String,
+    /// Multiplies every workload's calibrated arrival rate.
+    #[arg(long, default_value_t = 1.0)]
+    load: f64,
+    /// This share of each fleet's engines model an A100 80GB instead of an
+    /// H100 (a fleet of two GPU generations; prefill about 0.3x).
+    #[arg(long, default_value_t = 0.0)]
+    a100_share: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -219,7 +226,9 @@ struct SimulateArgs {
     /// `kvroute`'s gateways get the others' pending prefill and key
     /// placements from their collector, as the real collector gives them.
     /// Not in the default list: `kvroute-alone`, gateways that read no
-    /// other gateway (sidecars without peers), and
+    /// other gateway (sidecars without peers), `kvroute-known-rates`,
+    /// snapshots that carry each replica's true prefill rate (an upper
+    /// bound: no collector measures it yet), and
     /// `kvroute-oracle-shared-load` and `kvroute-oracle-shared-index`,
     /// kvroute whose gateways share one in-flight load table or one prefix
     /// index, upper bounds; `oracle-first-token`, each
@@ -296,6 +305,11 @@ struct SimulateArgs {
     /// (the same report, slower; for checking the runs).
     #[arg(long)]
     single_steps: bool,
+    /// The last this many engines model an A100 80GB instead of an H100
+    /// (a fleet of two GPU generations; prefill about 0.3x). The engine
+    /// flags above set the others.
+    #[arg(long, default_value_t = 0)]
+    a100_engines: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -696,6 +710,12 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
     let engine = a.engine.config()?;
     let config: serde_json::Value = serde_json::from_str(&a.kvroute_config)
         .map_err(|e| format!("--kvroute-config: not JSON: {e}"))?;
+    if a.a100_engines > a.engines {
+        return Err(format!(
+            "--a100-engines {} is more than --engines {}",
+            a.a100_engines, a.engines
+        ));
+    }
     if !(a.collector_ms > 0.0 && a.sample_ms > 0.0 && a.engines > 0 && a.gateways > 0) {
         return Err(
             "--engines, --gateways, --collector-ms and --sample-ms must be positive".to_owned(),
@@ -726,6 +746,7 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
         progress: !a.quiet,
         records: a.records,
         single_steps: a.single_steps,
+        a100_engines: a.a100_engines,
     };
     eprintln!(
         "simulate: {} ({} requests) on {} engines, {} gateway(s), routers {}",
@@ -749,6 +770,7 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
                 collector_s: a.collector_ms / 1000.0,
                 gateway_clock_scale: a.gateway_clock_scale,
                 headers_at_submit: a.headers_at_submit,
+                prefill_rates: sim::prefill_rates(&opts),
             },
         )?;
         let out = sim::run(&wl, router.as_mut(), &opts);
@@ -786,8 +808,17 @@ fn run_simulate(a: &SimulateArgs) -> Result<ExitCode, String> {
     let r = Report {
         setup: vec![
             format!(
-                "Fleet simulation in virtual time: {} x kvroute-sim engine model ({} KV blocks each), {} gateway instance(s) per router, requests spread per {:?}, {:?} collector(s).",
-                a.engines, opts.engine.kv_blocks, a.gateways, opts.spread, opts.collectors
+                "Fleet simulation in virtual time: {} x kvroute-sim engine model ({} KV blocks each{}), {} gateway instance(s) per router, requests spread per {:?}, {:?} collector(s).",
+                a.engines,
+                opts.engine.kv_blocks,
+                if a.a100_engines > 0 {
+                    format!("; the last {} model an A100 80GB, the others an H100", a.a100_engines)
+                } else {
+                    String::new()
+                },
+                a.gateways,
+                opts.spread,
+                opts.collectors
             ),
             "Peers marked (modelled) are models of their documented algorithms (sources in crates/kvroute-bench/src/sim/routers.rs); kvroute runs kvroute-core's request path.".to_owned(),
         ],
@@ -875,6 +906,8 @@ fn run_suite(a: &SuiteArgs) -> Result<ExitCode, String> {
             .map_err(|e| format!("--kvroute-config: not JSON: {e}"))?,
         session_header: !a.no_session_header,
         flat_prompt: a.flat_prompt,
+        load: a.load,
+        a100_share: a.a100_share,
     };
     let rows = kvroute_bench::suite::run(&o)?;
     println!(

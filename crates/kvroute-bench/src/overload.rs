@@ -161,6 +161,7 @@ pub fn run(o: &Options) -> Result<Report, String> {
         progress: o.progress,
         records: false,
         single_steps: false,
+        a100_engines: 0,
     };
     let plan = [
         ("round-robin (modelled)", "round-robin", None),
@@ -180,6 +181,7 @@ pub fn run(o: &Options) -> Result<Report, String> {
             collector_s: 0.25,
             gateway_clock_scale: 1.0,
             headers_at_submit: false,
+            prefill_rates: Vec::new(),
         };
         let mut router = routers::build(name, &setup)?;
         let out = sim::run(&wl, router.as_mut(), &opts);

@@ -64,6 +64,11 @@ pub struct SuiteOptions {
     /// Send each conversation as one user message
     /// ([`crate::replay::sent_history`]).
     pub flat_prompt: bool,
+    /// Multiplies every workload's calibrated arrival rate (1: the suite's).
+    pub load: f64,
+    /// The share of each fleet's engines that model an A100 80GB
+    /// ([`Options::a100_engines`], rounded; 0: all H100).
+    pub a100_share: f64,
 }
 
 /// One run's row in the suite's tables.
@@ -127,6 +132,7 @@ fn options(replicas: usize, gateways: usize, seed: u64, o: &SuiteOptions) -> Opt
         spread: Spread::Request,
         collectors: Collectors::Shared,
         engine: EngineConfig::default(),
+        a100_engines: (replicas as f64 * o.a100_share).round() as usize,
         model: "meta-llama/Llama-3.1-8B-Instruct".to_owned(),
         seed,
         session_header: o.session_header,
@@ -140,13 +146,13 @@ fn options(replicas: usize, gateways: usize, seed: u64, o: &SuiteOptions) -> Opt
 
 /// The Mooncake trace sized for `replicas`: the real bench's 1.5x on 4
 /// engines, the rate scaled with the fleet.
-fn trace_workload(path: &Path, replicas: usize) -> Result<Workload, String> {
+fn trace_workload(path: &Path, replicas: usize, load: f64) -> Result<Workload, String> {
     workload::from_mooncake(
         path,
         &TraceOptions {
             start_s: 0.0,
             end_s: f64::INFINITY,
-            rate: 1.5 * replicas as f64 / 4.0,
+            rate: 1.5 * replicas as f64 / 4.0 * load,
             max_requests: None,
             key: TraceKey::FirstBlock,
             max_context: 131_072,
@@ -200,6 +206,7 @@ fn compare(
         let started = Instant::now();
         let setup = routers::Setup {
             kvroute_config: kvroute_config.clone(),
+            prefill_rates: sim::prefill_rates(o),
             ..routers::Setup::new(o.engines, o.gateways, o.seed)
         };
         let mut router = routers::build(r, &setup)?;
@@ -252,6 +259,12 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
     let Some(&first_seed) = o.seeds.first() else {
         return Err("--seed: give at least one seed".to_owned());
     };
+    if !(o.load > 0.0 && o.load.is_finite() && (0.0..=1.0).contains(&o.a100_share)) {
+        return Err(format!(
+            "--load {} must be positive and --a100-share {} within 0..1",
+            o.load, o.a100_share
+        ));
+    }
     std::fs::create_dir_all(&o.out).map_err(|e| format!("{}: {e}", o.out.display()))?;
     let mut rows = Vec::new();
     if let Some(bad) = o
@@ -266,7 +279,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
     }
     let wanted = |name: &str| o.only.is_empty() || o.only.iter().any(|w| w == name);
     let trace = match o.trace.as_ref().filter(|_| wanted("mooncake")) {
-        Some(t) => Some(trace_workload(t, o.replicas)?),
+        Some(t) => Some(trace_workload(t, o.replicas, o.load)?),
         None => None,
     };
     // Every family for every seed first (the families are generated again
@@ -282,7 +295,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
                 &FamilyOptions {
                     replicas: o.replicas,
                     duration_s: o.duration_s,
-                    load: 1.0,
+                    load: o.load,
                     seed,
                 },
             )?;
@@ -372,7 +385,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
             &FamilyOptions {
                 replicas: n,
                 duration_s: o.scale_duration_s,
-                load: 1.0,
+                load: o.load,
                 seed: first_seed,
             },
         )?;
@@ -634,6 +647,23 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
          - requests are spread over the K gateway instances at random per request; one collector pushes \
          every 250 ms to every gateway.\n"
     );
+    if o.a100_share > 0.0 {
+        let _ = writeln!(
+            s,
+            "A fleet of two GPU generations (`--a100-share {}`): that share of each fleet's engines model \
+             Llama-3.1-8B on an A100 80GB (prefill about 0.3x the H100's; constants and sources in \
+             `EngineConfig::a100_80gb`, crates/kvroute-sim/src/engine/config.rs). The no-queue floor is the \
+             H100's.\n",
+            o.a100_share
+        );
+    }
+    if o.load != 1.0 {
+        let _ = writeln!(
+            s,
+            "Every workload's arrival rate is {}x the suite's calibrated rate (`--load`).\n",
+            o.load
+        );
+    }
     if o.flat_prompt {
         let _ = writeln!(
             s,

@@ -25,6 +25,7 @@ fn options(engines: usize, gateways: usize) -> Options {
         progress: false,
         records: false,
         single_steps: false,
+        a100_engines: 0,
     }
 }
 
@@ -56,6 +57,53 @@ fn run(family: &str, router: &str, o: &Options, duration_s: f64) -> RunSummary {
     let mut r =
         routers::build(router, &routers::Setup::new(o.engines, o.gateways, o.seed)).unwrap();
     sim::run(&wl, r.as_mut(), o).summary
+}
+
+/// A fleet of two GPU generations: the engines named A100 prefill slower,
+/// and round robin, which ignores it, waits longer than on H100s alone.
+#[test]
+fn a100_engines_prefill_slower() {
+    let wl = families::generate(
+        "documents",
+        &FamilyOptions {
+            replicas: 4,
+            duration_s: 20.0,
+            load: 0.5,
+            seed: 3,
+        },
+    )
+    .unwrap();
+    let go = |a100_engines: usize| {
+        let o = Options {
+            records: true,
+            a100_engines,
+            ..options(4, 1)
+        };
+        let mut r = routers::build("round-robin", &routers::Setup::new(4, 1, 3)).unwrap();
+        sim::run(&wl, r.as_mut(), &o)
+    };
+    let (h100, mixed) = (go(0), go(2));
+    // Prefill milliseconds per computed token, on the first two engines and
+    // on the last two (the A100s in the mixed run).
+    let per_token = |out: &sim::Outcome, engines: std::ops::Range<usize>| {
+        let (ms, tokens) = out
+            .records
+            .iter()
+            .filter(|l| engines.contains(&l.engine))
+            .fold((0.0, 0u64), |(ms, t), l| {
+                (ms + l.prefill_ms, t + l.prompt_tokens - l.cached_tokens)
+            });
+        assert!(tokens > 0, "engines {engines:?} computed no prompt");
+        ms / tokens as f64
+    };
+    let fast = per_token(&mixed, 0..2);
+    let slow = per_token(&mixed, 2..4);
+    assert!(slow > 2.0 * fast, "A100 {slow} ms/token, H100 {fast}");
+    // The H100s of the mixed fleet run as the all-H100 fleet's do.
+    let all = per_token(&h100, 0..4);
+    assert!(fast < 1.5 * all && all < 1.5 * fast, "{fast} against {all}");
+    assert!(mixed.summary.ttft_ms.p95 > h100.summary.ttft_ms.p95);
+    assert_eq!(mixed.summary.requests, h100.summary.requests);
 }
 
 #[test]
@@ -427,6 +475,8 @@ fn the_suite_runs_every_seed_and_scores_kvroute_per_seed() {
         kvroute_config: serde_json::json!({}),
         session_header: true,
         flat_prompt: false,
+        load: 1.0,
+        a100_share: 0.0,
     };
     let rows = suite::run(&o).unwrap();
     // 1 workload x 2 K x 2 seeds x 2 routers.

@@ -145,6 +145,7 @@ impl EngineState {
             engine: m.and_then(|m| m.engine).map(|k| k.as_str().to_owned()),
             peer_pending_tokens: None,
             peer_arrivals_per_s: None,
+            prefill_tokens_per_s: None,
         }
     }
 }

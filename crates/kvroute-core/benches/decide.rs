@@ -64,6 +64,7 @@ fn snapshot_with_last(hosts: usize, last: usize) -> Vec<u8> {
             engine: Some("vllm".into()),
             peer_pending_tokens: None,
             peer_arrivals_per_s: None,
+            prefill_tokens_per_s: None,
         })
         .collect();
     let last_blocks = (0..last)

@@ -65,6 +65,7 @@ fn main() {
             engine: Some("vllm".into()),
             peer_pending_tokens: None,
             peer_arrivals_per_s: None,
+            prefill_tokens_per_s: None,
         })
         .collect();
     let addresses: Vec<String> = hosts.iter().map(|h| format!("\"{}\"", h.address)).collect();

@@ -104,7 +104,8 @@
 //!   request (ready, serving its model), with their engine data; where the
 //!   snapshot gives the other gateways' pending prefill on a replica
 //!   (`peerPendingTokens`), it adds to this gateway's, less what the
-//!   replica has prefilled at `prefillTokensPerS` since it was read; so
+//!   replica has prefilled since it was read, at its rate (the snapshot's
+//!   `prefillTokensPerS` for it, else the configured one); so
 //!   do the other gateways' recent arrivals (`peerArrivalsPerS`) to this
 //!   gateway's ([`crate::load`]), which a decision that continues a
 //!   conversation counts on its primary in the same compare-and-swap as
@@ -616,13 +617,17 @@ struct Replica {
     /// (`peerPendingTokens`): the collector reads them, and hands each
     /// gateway the others' placements.
     peers: bool,
+    /// Prompt tokens it prefills per second: the snapshot's
+    /// `prefillTokensPerS` where its data is current and gives one, else
+    /// `fleet.prefillTokensPerS`.
+    rate: f64,
 }
 
 impl Replica {
     /// A replica with no engine data: no snapshot at all, or stale metrics.
     /// It is judged on the gateway's own figures (what it sent there:
     /// prefill pending, memory held) and may be a home.
-    fn unobserved(index: usize, id: u64, gw: Entry, arrivals: f64) -> Replica {
+    fn unobserved(index: usize, id: u64, gw: Entry, arrivals: f64, rate: f64) -> Replica {
         Replica {
             index,
             id,
@@ -634,6 +639,7 @@ impl Replica {
             kv: 0.0,
             arrivals,
             peers: false,
+            rate,
         }
     }
 }
@@ -647,7 +653,7 @@ fn configured(cfg: &Config, table: &LoadTable, now_ms: u64) -> Vec<Replica> {
         .enumerate()
         .map(|(index, gw)| {
             let arrivals = table.arrival_rate(gw.host, now_ms, window);
-            Replica::unobserved(index, gw.host, gw, arrivals)
+            Replica::unobserved(index, gw.host, gw, arrivals, cfg.fleet.prefill_tokens_per_s)
         })
         .collect()
 }
@@ -693,6 +699,9 @@ fn observed(
         // collector read them (`peerArrivalsPerS`) are added below, for
         // current data only (the figure is not aged).
         let arrivals = table.arrival_rate(id.id, now_ms, f.arrival_window_ms);
+        // A replica's prefill rate, like its capacity, does not change with
+        // the age of its data.
+        let rate = st.prefill_tokens_per_s.unwrap_or(f.prefill_tokens_per_s);
         // Stale metrics say nothing reliable about load: such a replica is
         // judged on the gateway's own figures, as without a snapshot (only
         // its capacity, which does not change, is still used), and Envoy's
@@ -701,7 +710,7 @@ fn observed(
             degraded = true;
             replicas.push(Replica {
                 capacity,
-                ..Replica::unobserved(index, id.id, gw, arrivals)
+                ..Replica::unobserved(index, id.id, gw, arrivals, rate)
             });
             continue;
         }
@@ -713,7 +722,7 @@ fn observed(
         let peer = st.peer_pending_tokens.map_or(0, |p| {
             let age_s = host.age_ms(view_age) as f64 / 1000.0;
             let counted = (p as f64 * f.peer_pending_weight) as u64;
-            counted.saturating_sub((age_s * f.prefill_tokens_per_s) as u64)
+            counted.saturating_sub((age_s * rate) as u64)
         });
         let pending = waiting.max(gw.prefill.saturating_add(peer));
         // The engine's KV in use, plus what waits to be admitted (not in
@@ -732,6 +741,7 @@ fn observed(
             kv: st.kv_utilization.clamp(0.0, 1.0),
             arrivals: arrivals + st.peer_arrivals_per_s.unwrap_or(0.0),
             peers: st.peer_pending_tokens.is_some(),
+            rate,
         });
     }
     (replicas, degraded)
@@ -1011,11 +1021,11 @@ fn scored(
             } else {
                 f.recompute_weight
             };
-            let ttft = (r.pending as f64 + uncached * (1.0 + weight)) / f.prefill_tokens_per_s;
+            let ttft = (r.pending as f64 + uncached * (1.0 + weight)) / r.rate;
             // The requests that arrive behind this prefill wait for it:
             // at the replica's recent arrival rate, `rate x prefill` of
             // them, half the prefill each on average.
-            let prefill_s = uncached / f.prefill_tokens_per_s;
+            let prefill_s = uncached / r.rate;
             let delay = f.arrival_delay_weight * r.arrivals * prefill_s * prefill_s / 2.0;
             Candidate {
                 index: r.index,
@@ -1438,6 +1448,7 @@ fn idle_host(addr: &str, ready: bool, scraped_at_ms: u64) -> crate::fleet::HostS
         engine: None,
         peer_pending_tokens: None,
         peer_arrivals_per_s: None,
+        prefill_tokens_per_s: None,
     }
 }
 
@@ -2343,6 +2354,7 @@ mod tests {
                         engine: None,
                         peer_pending_tokens: None,
                         peer_arrivals_per_s: None,
+                        prefill_tokens_per_s: None,
                     },
                 )
                 .collect(),
@@ -3245,6 +3257,70 @@ mod equivalence {
             rate(0)
         );
         assert!((rate(1) - 0.1).abs() < 1e-9, "stale: own only, {}", rate(1));
+    }
+
+    /// A replica's `prefillTokensPerS` replaces the configured rate in its
+    /// cost, on current data and on stale (a rate, like a capacity, does
+    /// not change with the data's age); absent, the configured rate.
+    #[test]
+    fn a_replicas_prefill_rate_from_the_snapshot_prices_its_prefill() {
+        let c = config(2);
+        // A cold request of 16k tokens; its home is replica `home`.
+        let f = request(5, 16_384, 64);
+        let home = picker::preference_order(&c.hosts, f.affinity.key())[0];
+        let view = |rates: [Option<f64>; 2], scraped_at_ms: u64| {
+            let snap = crate::fleet::Snapshot {
+                placed: Vec::new(),
+                last_blocks: Vec::new(),
+                version: 1,
+                seq: 1,
+                collector: "c".into(),
+                taken_at_ms: 10_000,
+                hosts: c
+                    .hosts
+                    .iter()
+                    .zip(rates)
+                    .map(|(h, r)| crate::fleet::HostState {
+                        prefill_tokens_per_s: r,
+                        ..idle_host(&h.addr, true, scraped_at_ms)
+                    })
+                    .collect(),
+            };
+            FleetView::new(snap, 10_000)
+        };
+        let table = LoadTable::default();
+        let mut rates = [None, None];
+        rates[home] = Some(5_000.0);
+        for scraped in [10_000, 0] {
+            let (replicas, _) = observed(&c, &f, &view(rates, scraped), &table, 10_000);
+            let rate = |i: usize| replicas.iter().find(|r| r.index == i).unwrap().rate;
+            assert_eq!(rate(home), 5_000.0, "scraped at {scraped}");
+            assert_eq!(rate(1 - home), c.fleet.prefill_tokens_per_s);
+        }
+        // Both idle: at the configured rate the home's credit keeps the
+        // request home; at a sixth of it the other replica is cheaper.
+        let go = |rates: [Option<f64>; 2]| {
+            let (a, m) = (MemorySharedData::default(), MemoryMetrics::default());
+            let v = view(rates, 10_000);
+            let d = route(
+                &c,
+                &a,
+                &m,
+                &mut IndexCache::default(),
+                Ok(&f),
+                Some(&v),
+                10_000,
+                0,
+            );
+            d.pick.unwrap().primary
+        };
+        assert_eq!(go([None, None]), home);
+        assert_eq!(go(rates), 1 - home);
+        // The other replica three times slower than the home: home again.
+        let mut slow_other = [None, None];
+        slow_other[home] = Some(30_000.0);
+        slow_other[1 - home] = Some(10_000.0);
+        assert_eq!(go(slow_other), home);
     }
 
     /// A decision on gateway `a` (its shared data `a`), without a

@@ -30,6 +30,14 @@
 //! their load tables saw it (the filter drains it at `prefillTokensPerS`
 //! from then; `decide.rs`). Absent, it is unknown.
 //!
+//! A host may carry `prefillTokensPerS`: the prompt tokens it prefills per
+//! second. The filter's cost divides the prefill ahead of a request, and
+//! its own, by it (`decide.rs`); absent, by the configured
+//! `fleet.prefillTokensPerS`. A fleet of two GPU generations is where it
+//! matters (docs/fleet-state.md, "A fleet of two GPU generations"). No
+//! engine exports its rate and kvroute-collector does not fill it yet: the
+//! fleet simulation's `kvroute-known-rates` measures what it is worth.
+//!
 //! `seq` increases monotonically per collector; the ingest endpoint refuses
 //! a snapshot older than the stored one. Times are the collector's clock in
 //! Unix milliseconds; the filter only ever compares them with each other
@@ -124,6 +132,10 @@ pub struct HostState {
     /// read them. Absent: unknown, as for `peerPendingTokens`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer_arrivals_per_s: Option<f64>,
+    /// Prompt tokens the replica prefills per second, when known. Absent:
+    /// the filter's `fleet.prefillTokensPerS`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_tokens_per_s: Option<f64>,
 }
 
 /// What is wrong with a snapshot: a JSON path and a reason.
@@ -281,6 +293,14 @@ impl Snapshot {
                     format!("must be a number from 0 to {MAX_ARRIVALS_PER_S}"),
                 ));
             }
+            if h.prefill_tokens_per_s
+                .is_some_and(|r| !(r.is_finite() && (1.0..=1e9).contains(&r)))
+            {
+                return Err(bad(
+                    at("prefillTokensPerS"),
+                    "must be a number from 1 to 1e9",
+                ));
+            }
             if h.models.len() > MAX_MODELS_PER_HOST {
                 return Err(bad(
                     at("models"),
@@ -415,6 +435,7 @@ mod tests {
             engine: Some("vllm".into()),
             peer_pending_tokens: None,
             peer_arrivals_per_s: None,
+            prefill_tokens_per_s: None,
         }
     }
 
@@ -454,7 +475,16 @@ mod tests {
             last_blocks: vec![last_block("5e1f00c0ffee0001", 12, "[::1]:8000")],
             ..with
         };
-        assert_eq!(Snapshot::from_json(&last.to_json()), Ok(last));
+        assert_eq!(Snapshot::from_json(&last.to_json()), Ok(last.clone()));
+        // A replica's prefill rate: absent when unknown, else it round-trips.
+        assert!(!String::from_utf8(last.to_json())
+            .unwrap()
+            .contains("prefillTokensPerS"));
+        let mut rated = last;
+        rated.hosts[0].prefill_tokens_per_s = Some(9_274.5);
+        let json = String::from_utf8(rated.to_json()).unwrap();
+        assert!(json.contains(r#""prefillTokensPerS":9274.5"#), "{json}");
+        assert_eq!(Snapshot::from_json(json.as_bytes()), Ok(rated));
     }
 
     fn last_block(block: &str, blocks: u32, address: &str) -> LastBlock {
@@ -586,6 +616,20 @@ mod tests {
                     ..host("10.0.0.1:80")
                 }]),
                 "hosts[0].peerArrivalsPerS",
+            ),
+            (
+                snap(vec![HostState {
+                    prefill_tokens_per_s: Some(0.0),
+                    ..host("10.0.0.1:80")
+                }]),
+                "hosts[0].prefillTokensPerS",
+            ),
+            (
+                snap(vec![HostState {
+                    prefill_tokens_per_s: Some(f64::INFINITY),
+                    ..host("10.0.0.1:80")
+                }]),
+                "hosts[0].prefillTokensPerS",
             ),
             (
                 snap(vec![HostState {

@@ -524,6 +524,7 @@ mod tests {
                     engine: None,
                     peer_pending_tokens: None,
                     peer_arrivals_per_s: None,
+                    prefill_tokens_per_s: None,
                 })
                 .collect(),
         }

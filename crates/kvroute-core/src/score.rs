@@ -7,13 +7,16 @@
 //! predicted cost in seconds, a decision under uncertainty:
 //!
 //! ```text
-//! cost = (pending + uncached * (1 + w)) / prefillTokensPerS
+//! cost = (pending + uncached * (1 + w)) / rate
 //!      + memorySeconds * max(0, (use - memoryKnee) / (1 - memoryKnee))^2
 //!      + arrivalDelayWeight * arrivals * p^2 / 2
 //! w    = recomputeWeight * min(1, use / recomputeFullKv)   (0 for a cold request)
-//! p    = uncached / prefillTokensPerS
+//! p    = uncached / rate
 //! ```
 //!
+//! - `rate`: the replica's prefill rate, the snapshot's `prefillTokensPerS`
+//!   for it where given (a fleet of two GPU generations, docs/fleet-state.md),
+//!   else the configured `prefillTokensPerS`;
 //! - `pending`: prefill ahead of the request, the larger of the engine's
 //!   view (waiting requests x `waitingRequestTokens`) and the gateway's own
 //!   (prompt tokens it sent there with no first response body byte yet). The gateway's

@@ -130,6 +130,10 @@ pub struct Options {
     pub spread: Spread,
     pub collectors: Collectors,
     pub engine: EngineConfig,
+    /// The last this many engines model an A100 80GB
+    /// ([`EngineConfig::a100_80gb`]) instead of `engine`: a fleet of two
+    /// GPU generations. The no-queue floor stays `engine`'s.
+    pub a100_engines: usize,
     pub model: String,
     /// Seeds the gateway spread, the engines' text and the peers' draws.
     pub seed: u64,
@@ -403,15 +407,43 @@ fn settle_all(engines: &mut [Engine], q: &mut Queue, t: f64) {
     }
 }
 
+/// Each engine's configuration: `engine`, the last `a100_engines` an A100's.
+pub fn engine_configs(opts: &Options) -> Vec<EngineConfig> {
+    let n = opts.engines.max(1);
+    let first_a100 = n.saturating_sub(opts.a100_engines);
+    (0..n)
+        .map(|i| {
+            if i >= first_a100 {
+                EngineConfig::a100_80gb()
+            } else {
+                opts.engine.clone()
+            }
+        })
+        .collect()
+}
+
+/// Each engine's prefill rate ([`EngineConfig::prefill_tokens_per_s`]), for
+/// [`routers::Setup::prefill_rates`].
+pub fn prefill_rates(opts: &Options) -> Vec<f64> {
+    engine_configs(opts)
+        .iter()
+        .map(EngineConfig::prefill_tokens_per_s)
+        .collect()
+}
+
 /// Runs `workload` through `router` on a fresh fleet.
 pub fn run(workload: &Workload, router: &mut dyn Router, opts: &Options) -> Outcome {
     let wall = Instant::now();
     let n = opts.engines.max(1);
     let k = opts.gateways.max(1);
-    let mut engines: Vec<Engine> = (0..n)
-        .map(|_| Engine::new(Scheduler::new(opts.engine.clone(), opts.seed)))
+    let mut engines: Vec<Engine> = engine_configs(opts)
+        .into_iter()
+        .map(|cfg| Engine::new(Scheduler::new(cfg, opts.seed)))
         .collect();
-    let fleet_blocks = (opts.engine.kv_blocks * n) as u64;
+    let fleet_blocks = engines
+        .iter()
+        .map(|e| e.sched.config().kv_blocks as u64)
+        .sum();
     let mut tally = Tally::new(&opts.engine, fleet_blocks, n);
     let mut records = Vec::new();
     let mut q = Queue {

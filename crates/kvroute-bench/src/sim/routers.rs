@@ -42,7 +42,7 @@ use kvroute_core::placed;
 use kvroute_core::usage::{self, Learned, PriorCache};
 use kvroute_core::{Config, Endpoint};
 use kvroute_sim::engine::sched::{NewRequest, Reading, Scheduler, SeqEvent, Summary};
-use kvroute_sim::engine::{block_hashes, BLOCK_TOKENS};
+use kvroute_sim::engine::{block_hashes, EngineConfig, BLOCK_TOKENS};
 
 use crate::rng::Rng;
 
@@ -216,6 +216,13 @@ pub const ORACLE_SHARED_INDEX: &str = "kvroute-oracle-shared-index";
 /// other"). At K = 1 it is kvroute.
 pub const ALONE: &str = "kvroute-alone";
 
+/// Not in [`ALL`]: `kvroute` whose snapshots carry each replica's true
+/// prefill rate (`prefillTokensPerS`, from the engine model's
+/// configuration, [`Setup::prefill_rates`]). No engine exports it and
+/// kvroute-collector does not fill it yet: an upper bound on what knowing
+/// each GPU's speed is worth in a fleet of two generations.
+pub const KNOWN_RATES: &str = "kvroute-known-rates";
+
 /// The key of a router's report name (`round-robin (modelled)` ->
 /// `round-robin`).
 pub fn canonical(name: &str) -> &str {
@@ -246,6 +253,10 @@ pub struct Setup {
     /// admission (as the filter did while it released at the response
     /// headers, which vLLM and kvroute-sim send on admission).
     pub headers_at_submit: bool,
+    /// Each engine's prefill rate, prompt tokens per second of full chunks
+    /// ([`kvroute_sim::engine::EngineConfig::prefill_tokens_per_s`]); empty:
+    /// the default engine's. Only [`KNOWN_RATES`] hands them to kvroute.
+    pub prefill_rates: Vec<f64>,
 }
 
 impl Setup {
@@ -260,6 +271,7 @@ impl Setup {
             collector_s: 0.25,
             gateway_clock_scale: 1.0,
             headers_at_submit: false,
+            prefill_rates: Vec::new(),
         }
     }
 }
@@ -293,6 +305,7 @@ pub fn build(name: &str, s: &Setup) -> Result<Box<dyn Router>, String> {
         "dynamo" => Box::new(Dynamo::new(engines, k, seed)),
         "kvroute" => Box::new(Kvroute::new(s, Layout::Collector)?),
         ALONE => Box::new(Kvroute::new(s, Layout::Alone)?),
+        KNOWN_RATES => Box::new(Kvroute::new(s, Layout::KnownRates)?),
         ORACLE_SHARED_LOAD => Box::new(Kvroute::new(s, Layout::Oracle)?),
         ORACLE_SHARED_INDEX => Box::new(Kvroute::new(s, Layout::OracleIndex)?),
         ORACLE_FIRST_TOKEN => Box::new(OracleFirstToken {
@@ -302,7 +315,8 @@ pub fn build(name: &str, s: &Setup) -> Result<Box<dyn Router>, String> {
             let known = ALL.join(", ");
             return Err(format!(
                 "unknown router {other:?}; known: {known}, {ALONE} (gateways that read no \
-                 other gateway), {ORACLE_SHARED_LOAD} and {ORACLE_SHARED_INDEX} (upper \
+                 other gateway), {KNOWN_RATES} (each replica's true prefill rate in the \
+                 snapshot, an upper bound), {ORACLE_SHARED_LOAD} and {ORACLE_SHARED_INDEX} (upper \
                  bounds, not routers), and \
                  {ORACLE_FIRST_TOKEN} (perfect knowledge of the present, not a router)"
             ));
@@ -401,6 +415,9 @@ enum Layout {
     /// [`ORACLE_SHARED_INDEX`]: one prefix index for every gateway;
     /// snapshots as `Collector`.
     OracleIndex,
+    /// [`KNOWN_RATES`]: snapshots as `Collector`, with each replica's
+    /// prefill rate.
+    KnownRates,
 }
 
 /// kvroute-core's request path, per gateway, as the filter runs it.
@@ -425,6 +442,9 @@ pub struct Kvroute {
     /// The fleet's addresses, for the gateways' load and placement
     /// reports.
     fleet: HostSet,
+    /// Each replica's prefill rate, in its snapshot entries
+    /// ([`KNOWN_RATES`]); empty: none given.
+    known_rates: Vec<f64>,
 }
 
 impl Kvroute {
@@ -477,6 +497,15 @@ impl Kvroute {
             admission: BTreeMap::new(),
             layout,
             fleet,
+            known_rates: if layout == Layout::KnownRates {
+                if s.prefill_rates.is_empty() {
+                    vec![EngineConfig::default().prefill_tokens_per_s(); engines]
+                } else {
+                    s.prefill_rates.clone()
+                }
+            } else {
+                Vec::new()
+            },
             cfg,
         })
     }
@@ -507,6 +536,7 @@ impl Router for Kvroute {
         match self.layout {
             Layout::Collector => "kvroute",
             Layout::Alone => ALONE,
+            Layout::KnownRates => KNOWN_RATES,
             Layout::Oracle => ORACLE_SHARED_LOAD,
             Layout::OracleIndex => ORACLE_SHARED_INDEX,
         }
@@ -544,7 +574,10 @@ impl Router for Kvroute {
         // every replica, push.rs `LoadBoard::others`); sidecars that do not
         // read each other say nothing.
         let others = self.gateways.len() > 1;
-        let peer_load = matches!(self.layout, Layout::Collector | Layout::OracleIndex);
+        let peer_load = matches!(
+            self.layout,
+            Layout::Collector | Layout::OracleIndex | Layout::KnownRates
+        );
         let peer_placements = others && self.layout != Layout::Alone;
         let hosts = &self.fleet;
         let now_ms = self.now_ms(now_s);
@@ -619,6 +652,7 @@ impl Router for Kvroute {
                     engine: Some("vllm".to_owned()),
                     peer_pending_tokens: peers.as_ref().and_then(|p| p.get(k)).map(|p| p.0),
                     peer_arrivals_per_s: peers.as_ref().and_then(|p| p.get(k)).map(|p| p.1),
+                    prefill_tokens_per_s: self.known_rates.get(k).copied(),
                 })
                 .collect(),
         };

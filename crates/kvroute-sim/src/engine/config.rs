@@ -72,6 +72,39 @@ impl Default for EngineConfig {
     }
 }
 
+impl EngineConfig {
+    /// The same model and server on one A100 SXM 80GB, the GPU generation
+    /// before the H100, for fleets that mix the two (the simulation's
+    /// `--a100-engines`). The roofline of the module doc with the A100's
+    /// figures (NVIDIA A100 Tensor Core GPU datasheet: HBM2e at
+    /// 2,039 GB/s, 312 TFLOPS dense BF16):
+    ///
+    /// * weights read at ~80 % of peak bandwidth, 16.1 GB / 1.63 TB/s
+    ///   = ~9.9 ms a step;
+    /// * a prefill token, 2 x 8.03e9 FLOP at half the BF16 peak = ~103 us;
+    /// * a decode sequence's per-token share of compute scales as the
+    ///   prefill token does, 30 us x 989 / 312 = ~95 us; its context's KV,
+    ///   131072 B per token at 1.63 TB/s = 0.0804 us;
+    /// * the same 80 GB of memory, weights and profiled activations: the
+    ///   same 25,000 KV blocks;
+    /// * vLLM's `get_batch_defaults` gives GPUs other than the H100 and
+    ///   MI300x `max_num_batched_tokens` 2048 and `max_num_seqs` 256.
+    ///
+    /// A prefill runs at about 9k tokens/s, 0.3x the H100's 30k.
+    pub fn a100_80gb() -> Self {
+        Self {
+            kv_blocks: 25_000,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: 131_072,
+            step_fixed_us: 9900.0,
+            prefill_token_us: 103.0,
+            decode_seq_us: 95.0,
+            context_token_us: 0.0804,
+        }
+    }
+}
+
 /// Why an [`EngineConfig`] was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError(pub String);
@@ -130,6 +163,13 @@ impl EngineConfig {
         self.step_fixed_us + self.prefill_token_us * prefill_tokens as f64 + decode
     }
 
+    /// Prompt tokens per second of a long prefill alone on the engine: full
+    /// chunks of `max_num_batched_tokens`, one step each.
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        let chunk = self.max_num_batched_tokens.max(1);
+        chunk as f64 * 1e6 / self.step_time_us(chunk, &[]).max(1.0)
+    }
+
     /// Modelled seconds from arrival to first token for a request alone on
     /// an idle engine with `cached` of its `prompt` tokens in the prefix
     /// cache: its uncached tokens (at least one) in chunks of
@@ -182,6 +222,27 @@ mod tests {
             ..EngineConfig::default()
         };
         assert!(bad.validate().unwrap_err().0.contains("kv_blocks"));
+    }
+
+    #[test]
+    fn the_a100_is_valid_and_prefills_at_about_a_third_of_the_h100() {
+        let a = EngineConfig::a100_80gb();
+        assert!(a.validate().is_ok());
+        let h = EngineConfig::default();
+        // Tokens per second of a long prefill, chunk after chunk.
+        let rate = |c: &EngineConfig| 32_768.0 / c.idle_ttft_s(32_768, 0);
+        let ratio = rate(&a) / rate(&h);
+        assert!((rate(&a) - a.prefill_tokens_per_s()).abs() < 1.0);
+        assert!((rate(&h) - h.prefill_tokens_per_s()).abs() < 1.0);
+        // The H100's is kvroute's default `prefillTokensPerS` (30k), within 2 %.
+        assert!((h.prefill_tokens_per_s() / 30_000.0 - 1.0).abs() < 0.02);
+        assert!(
+            (0.25..0.35).contains(&ratio),
+            "A100 / H100 prefill rate {ratio}"
+        );
+        // One decode stream: the weight read dominates, ~1.6x slower.
+        let one = a.step_time_us(0, &[1000]) / h.step_time_us(0, &[1000]);
+        assert!((1.5..1.8).contains(&one), "one decode stream {one}");
     }
 
     #[test]
