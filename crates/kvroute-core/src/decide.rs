@@ -618,7 +618,8 @@ struct Replica {
     /// gateway the others' placements.
     peers: bool,
     /// Prompt tokens it prefills per second: the snapshot's
-    /// `prefillTokensPerS` where its data is current and gives one, else
+    /// `prefillTokensPerS` for it where given (current or stale data: a
+    /// rate, like a capacity, does not change with the data's age), else
     /// `fleet.prefillTokensPerS`.
     rate: f64,
 }
@@ -2912,20 +2913,25 @@ mod equivalence {
     /// A snapshot of the configured hosts, each scraped at `scraped_at_ms`
     /// and ingested at 0.
     fn snapshot_of(cfg: &Config, scraped_at_ms: u64) -> FleetView {
-        let snap = crate::fleet::Snapshot {
+        let hosts = cfg
+            .hosts
+            .iter()
+            .map(|h| idle_host(&h.addr, true, scraped_at_ms))
+            .collect();
+        FleetView::new(snapshot(hosts, scraped_at_ms), 0)
+    }
+
+    /// A snapshot of `hosts` taken at `taken_at_ms`, nothing else in it.
+    fn snapshot(hosts: Vec<crate::fleet::HostState>, taken_at_ms: u64) -> crate::fleet::Snapshot {
+        crate::fleet::Snapshot {
             placed: Vec::new(),
             last_blocks: Vec::new(),
             version: 1,
             seq: 1,
             collector: "c".into(),
-            taken_at_ms: scraped_at_ms,
-            hosts: cfg
-                .hosts
-                .iter()
-                .map(|h| idle_host(&h.addr, true, scraped_at_ms))
-                .collect(),
-        };
-        FleetView::new(snap, 0)
+            taken_at_ms,
+            hosts,
+        }
     }
 
     /// With `coldHomeShare` below `homeCachedShare` a cold request leaves
@@ -3233,16 +3239,7 @@ mod equivalence {
         // The second replica was last scraped 10 s before the snapshot,
         // past `staleAfterMs`.
         hosts[1].scraped_at_ms = 0;
-        let snap = crate::fleet::Snapshot {
-            placed: Vec::new(),
-            last_blocks: Vec::new(),
-            version: 1,
-            seq: 1,
-            collector: "c".into(),
-            taken_at_ms: 10_000,
-            hosts,
-        };
-        let view = FleetView::new(snap, 10_000);
+        let view = FleetView::new(snapshot(hosts, 10_000), 10_000);
         let mut table = LoadTable::default();
         for h in c.hosts.iter() {
             // One arrival of this gateway's on each: 0.1 /s over 10 s.
@@ -3269,24 +3266,16 @@ mod equivalence {
         let f = request(5, 16_384, 64);
         let home = picker::preference_order(&c.hosts, f.affinity.key())[0];
         let view = |rates: [Option<f64>; 2], scraped_at_ms: u64| {
-            let snap = crate::fleet::Snapshot {
-                placed: Vec::new(),
-                last_blocks: Vec::new(),
-                version: 1,
-                seq: 1,
-                collector: "c".into(),
-                taken_at_ms: 10_000,
-                hosts: c
-                    .hosts
-                    .iter()
-                    .zip(rates)
-                    .map(|(h, r)| crate::fleet::HostState {
-                        prefill_tokens_per_s: r,
-                        ..idle_host(&h.addr, true, scraped_at_ms)
-                    })
-                    .collect(),
-            };
-            FleetView::new(snap, 10_000)
+            let hosts = c
+                .hosts
+                .iter()
+                .zip(rates)
+                .map(|(h, r)| crate::fleet::HostState {
+                    prefill_tokens_per_s: r,
+                    ..idle_host(&h.addr, true, scraped_at_ms)
+                })
+                .collect();
+            FleetView::new(snapshot(hosts, 10_000), 10_000)
         };
         let table = LoadTable::default();
         let mut rates = [None, None];
