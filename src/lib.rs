@@ -9,6 +9,11 @@
 //! retries. The charge is released in two steps: the prefill pending at the
 //! first response body byte (a stream's first token; vLLM sends the
 //! headers before the prefill), the memory held when the stream ends.
+//! Answers are read (a copy of each body chunk, never held back) for the
+//! output-length prior, for a decision that expected a prefix hit, and for
+//! one whose answer may be a sample of its replica's prefill rate
+//! (kvroute_core::rates: the first body byte is stamped, the usage read at
+//! the end).
 //!
 //! The request path keeps its host calls few: counters are batched in the
 //! worker and handed to Envoy on its 100 ms tick, and prefix-index reads are
@@ -46,6 +51,7 @@ use kvroute_core::index::IndexCache;
 use kvroute_core::ingest::{self, Ask, FleetCache, Outcome, Refresh, INGEST_PATH};
 use kvroute_core::load::{self, Charge, LoadReport};
 use kvroute_core::placed;
+use kvroute_core::rates::{self, Probe};
 use kvroute_core::usage::{self, Tracker};
 use kvroute_core::{Config, Endpoint};
 use proxy_wasm::hostcalls;
@@ -102,6 +108,8 @@ struct Parked {
 struct Dispatched {
     decision: Decision,
     expectation: Option<Expectation>,
+    /// What the answer needs to be a prefill-rate sample (kvroute_core::rates).
+    probe: Option<Probe>,
 }
 
 /// The gateway's clock in Unix milliseconds (0 if the host refuses).
@@ -345,8 +353,10 @@ fn dispatch(
                         key: None,
                         charge: None,
                         expected_cached: 0,
+                        pending: 0,
                     },
                     expectation: None,
+                    probe: None,
                 },
                 Action::Continue,
             );
@@ -362,6 +372,7 @@ fn dispatch(
         facts.err()
     );
     let expectation = facts.ok().and_then(|f| Expectation::of(f, &d, now));
+    let probe = Probe::of(&d, now).filter(|_| cfg.fleet.learn_prefill_rates);
     let action = if d.targets.is_empty() {
         let model = facts.map(|f| f.model.as_str()).unwrap_or("");
         let body = serde_json::json!({"error": {
@@ -389,6 +400,7 @@ fn dispatch(
         Dispatched {
             decision: d,
             expectation,
+            probe,
         },
         action,
     )
@@ -512,6 +524,7 @@ impl RootContext for Root {
             model: None,
             tracker: Tracker::Off,
             expectation: None,
+            probe: None,
             objective: Objective::default(),
             held: false,
         }))
@@ -546,6 +559,9 @@ struct Stream {
     /// What the decision expected cached on its primary, until the answer
     /// says what was (only for decisions that expected a hit).
     expectation: Option<Expectation>,
+    /// What the answer needs to be a sample of the primary's prefill rate,
+    /// stamped at the first body byte.
+    probe: Option<Probe>,
     /// The objective the request named (admission control).
     objective: Objective,
     /// Held in the worker's queue, or sent on by the tick with a decision
@@ -588,6 +604,7 @@ impl Stream {
     fn keep(&mut self, d: Dispatched) {
         self.pending = d.decision.charge;
         self.expectation = d.expectation;
+        self.probe = d.probe;
         self.decision = Some(d.decision);
     }
 
@@ -864,7 +881,7 @@ impl HttpContext for Stream {
         // much was cached (each read is host calls; see
         // answers::read_answer).
         if self.model.is_some()
-            && answers::read_answer(self.id, self.expectation.as_ref())
+            && answers::read_answer(self.id, self.expectation.as_ref(), self.probe.as_ref())
             && map_value(MapType::HttpResponseHeaders, ":status").is_some_and(|s| s == "200")
         {
             let ct = map_value(MapType::HttpResponseHeaders, "content-type");
@@ -878,6 +895,15 @@ impl HttpContext for Stream {
         if !from_primary || matches!(self.tracker, Tracker::Off) {
             // Not read: the block hashes need not wait for the answer.
             self.expectation = None;
+        }
+        // Likewise a fallback's answer says nothing of the primary's rate.
+        let primary = self.decision.as_ref().and_then(|d| d.targets.first());
+        let answered_by_primary = match (upstream_address(), primary) {
+            (Some(a), Some(p)) => a == *p,
+            _ => true,
+        };
+        if !answered_by_primary || matches!(self.tracker, Tracker::Off) {
+            self.probe = None;
         }
         if self.shared.config.explain_header {
             if let Some(d) = &self.decision {
@@ -896,6 +922,11 @@ impl HttpContext for Stream {
         // The first body byte: the prompt has been prefilled.
         if body_size > 0 || end_of_stream {
             self.release(true);
+        }
+        if body_size > 0 {
+            if let Some(p) = self.probe.as_mut() {
+                p.first_byte(now_ms());
+            }
         }
         if matches!(self.tracker, Tracker::Off) {
             return Action::Continue;
@@ -921,6 +952,11 @@ impl HttpContext for Stream {
             }
             if let Some(exp) = self.expectation.take() {
                 self.learn(&exp, &learned);
+            }
+            if let Some(p) = self.probe.take() {
+                let cfg = &self.shared.config;
+                let key = &cfg.fleet.rates_key;
+                rates::learn(&HostSharedData, &self.shared.tally, key, &p, &learned);
             }
         }
         Action::Continue

@@ -137,3 +137,56 @@ def test_answers_without_a_cached_figure_teach_nothing(stack):
     finally:
         for h in stack.live_hosts:
             stack.replica_control(h, prefix_cache=True)
+
+
+def test_a_replica_whose_answers_show_a_slow_prefill_stops_getting_cold_prompts(stack):
+    """kvroute_core::rates: answers to requests with nothing queued ahead
+    teach each replica's prefill rate; once a replica's is well below the
+    fastest's (and the next snapshot is decoded), a cold prompt whose
+    home it is goes to a faster replica instead."""
+    assert stack.push_fleet().status == 204
+    slow = stack.live_hosts[0]
+    for h in stack.live_hosts:
+        # A tenth of the others' rate: 2.5k tokens take 500 ms against 50
+        # ms (long beside the few ms of loopback HTTP, which the samples
+        # count too).
+        stack.replica_control(h, prefill_tokens_per_s=5_000 if h == slow else 50_000)
+    try:
+        # Cold prompts of about 2.5k tokens, one at a time (nothing pending
+        # ahead of any), until the slow replica and another have answered
+        # enough of them (rates::MIN_SAMPLES is 5). Each prompt's key has a
+        # home; at equal rates about a quarter of them are the slow one's.
+        before = stack.envoy.kvroute_metrics()
+        served: dict[str, int] = {}
+        for i in range(160):
+            r = ask(stack, chat_body(user_text=filler(f"rate-learn-{i}", 10_000)))
+            served[r.served_by] = served.get(r.served_by, 0) + 1
+            others = max((n for h, n in served.items() if h != slow), default=0)
+            if served.get(slow, 0) >= 7 and others >= 7:
+                break
+        print(f"\nlearning (slow: {slow}): served {served}")
+        assert served.get(slow, 0) >= 7, served
+        after = stack.envoy.kvroute_metrics()
+        samples = after.get("kvroute_prefill_rate_samples_total", 0) - before.get(
+            "kvroute_prefill_rate_samples_total", 0
+        )
+        assert samples >= sum(served.values()) - 2, (samples, served)
+        # The learned rates are applied when the next snapshot is decoded.
+        assert stack.push_fleet().status == 204
+        moved = {}
+        for i in range(40):
+            r = ask(stack, chat_body(user_text=filler(f"rate-after-{i}", 10_000)))
+            moved[r.served_by] = moved.get(r.served_by, 0) + 1
+        print(f"after: served {moved}")
+        # Without the learned rate, about 10 of 40 would have gone to the
+        # slow replica (the chance of none is 0.75^40, 1e-5).
+        assert moved.get(slow, 0) == 0, moved
+        # A short prompt is no sample, and a request whose answer is not
+        # read for one changes nothing.
+        m0 = stack.envoy.kvroute_metrics().get("kvroute_prefill_rate_samples_total", 0)
+        ask(stack, chat_body(user_text=filler("rate-short", 800)))
+        m1 = stack.envoy.kvroute_metrics().get("kvroute_prefill_rate_samples_total", 0)
+        assert m1 == m0, (m0, m1)
+    finally:
+        for h in stack.live_hosts:
+            stack.replica_control(h, prefill_tokens_per_s=0)

@@ -37,7 +37,10 @@ Three paths are the engine's own, as a scraper sees them (vLLM's names):
   requests are answered with that status, the same JSON body),
   ``{"reset_counts": true}``, ``{"prefix_cache": true}`` (answers carry
   OpenAI ``usage`` with ``prompt_tokens_details.cached_tokens``, below),
-  ``{"flush_cache": true}`` (the replica forgets every prompt it saw).
+  ``{"flush_cache": true}`` (the replica forgets every prompt it saw),
+  ``{"prefill_tokens_per_s": N}`` (with the prefix cache on, an answer
+  waits its uncached tokens / N seconds before it is sent, as an engine's
+  first token waits for the prefill; 0, the default, waits nothing).
 
 The prefix cache, when on, is a model for kvroute's learning from answers:
 a prompt is the request's messages as ``role\ncontent\n`` each (the
@@ -93,6 +96,9 @@ DEFAULT_STATE: dict[str, Any] = {
     "answer_status": 200,
     # Answers carry usage with cached tokens from a modelled prefix cache.
     "prefix_cache": False,
+    # With the prefix cache on: uncached tokens per second of the modelled
+    # prefill before the answer (0: none).
+    "prefill_tokens_per_s": 0,
 }
 # Prompts a replica remembers for its modelled prefix cache.
 CACHE_PROMPTS = 256
@@ -118,7 +124,7 @@ def validate_state_update(update: Any) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise StateError("kv: expected a number from 0 to 1")
             out[key] = float(value)
-        elif key in ("waiting", "running", "block_size", "num_gpu_blocks"):
+        elif key in ("waiting", "running", "block_size", "num_gpu_blocks", "prefill_tokens_per_s"):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise StateError(f"{key}: expected a non-negative integer")
             out[key] = value
@@ -281,6 +287,9 @@ class ReplicaHandler(BaseHTTPRequestHandler):
             }
             if state["prefix_cache"] and state["answer_status"] == 200:
                 prompt, cached = self.server.prefill(prompt_bytes(body))
+                rate = state["prefill_tokens_per_s"]
+                if rate > 0:
+                    time.sleep(min((prompt - cached) / rate, MAX_DELAY_MS / 1000.0))
                 doc["usage"] = {
                     "prompt_tokens": prompt,
                     "completion_tokens": 1,

@@ -106,6 +106,64 @@ fn a100_engines_prefill_slower() {
     assert_eq!(mixed.summary.requests, h100.summary.requests);
 }
 
+/// kvroute learns from its answers which engines prefill slower
+/// (kvroute_core::rates) and gives them less of the prompt work; with
+/// `learnPrefillRates` off it takes no sample and prices them as the
+/// others.
+#[test]
+fn kvroute_learns_which_replicas_prefill_slower() {
+    let wl = families::generate(
+        "tenants",
+        &FamilyOptions {
+            replicas: 4,
+            duration_s: 60.0,
+            load: 0.5,
+            seed: 3,
+        },
+    )
+    .unwrap();
+    let o = Options {
+        records: true,
+        a100_engines: 2,
+        ..options(4, 1)
+    };
+    let go = |learn: bool| {
+        let setup = routers::Setup {
+            kvroute_config: serde_json::json!({"fleet": {"learnPrefillRates": learn}}),
+            ..routers::Setup::new(4, 1, 3)
+        };
+        let mut r = routers::build("kvroute", &setup).unwrap();
+        sim::run(&wl, r.as_mut(), &o)
+    };
+    let (on, off) = (go(true), go(false));
+    let samples = |out: &sim::Outcome| {
+        sim::timing(out)
+            .counters
+            .get("kvroute_prefill_rate_samples_total")
+            .copied()
+            .unwrap_or(0)
+    };
+    assert!(samples(&on) >= 20, "{} samples", samples(&on));
+    assert_eq!(samples(&off), 0);
+    // The share of the computed prompt tokens the A100s (engines 2 and 3)
+    // prefilled.
+    let slow_share = |out: &sim::Outcome| {
+        let (slow, all) = out.records.iter().fold((0u64, 0u64), |(s, a), l| {
+            let t = l.prompt_tokens - l.cached_tokens;
+            (s + if l.engine >= 2 { t } else { 0 }, a + t)
+        });
+        slow as f64 / all.max(1) as f64
+    };
+    let (learned, priced_alike) = (slow_share(&on), slow_share(&off));
+    println!("A100s' share of the prefill: {priced_alike:.3} priced alike, {learned:.3} learned; {} samples", samples(&on));
+    assert!(
+        learned < 0.8 * priced_alike,
+        "{learned} against {priced_alike}"
+    );
+    assert_eq!(on.summary.requests, off.summary.requests);
+    assert_eq!(on.summary.errors, 0);
+}
+
 #[test]
 fn same_seed_same_report_bytes() {
     let o = options(4, 2);

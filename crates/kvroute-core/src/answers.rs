@@ -141,7 +141,8 @@ impl Expectation {
 }
 
 /// Whether the answer of stream `stream_id` is read: the output-length
-/// sample ([`usage::observed`]), and every answer with an expectation.
+/// sample ([`usage::observed`]), every answer with an expectation, and
+/// every answer that may be a prefill-rate sample ([`crate::rates::Probe`]).
 ///
 /// Reading costs one host call per body chunk (a copy of it) and a JSON
 /// parse per SSE event; Envoy enters the filter for every chunk whether it
@@ -149,8 +150,15 @@ impl Expectation {
 /// event it looks for is rare and local: one replica losing one prefix. A
 /// sample of one in four would leave an evicted prefix's entries in place
 /// for about four more answers, and the counters would be a sample too.
-pub fn read_answer(stream_id: u32, expectation: Option<&Expectation>) -> bool {
-    usage::observed(stream_id) || expectation.is_some()
+/// Every probe is read because rate samples are few (a long prefill with
+/// little queued ahead), and each is a long prefill, beside which reading
+/// its answer costs little.
+pub fn read_answer(
+    stream_id: u32,
+    expectation: Option<&Expectation>,
+    probe: Option<&crate::rates::Probe>,
+) -> bool {
+    usage::observed(stream_id) || expectation.is_some() || probe.is_some()
 }
 
 /// What one answer taught: the figures compared (engine tokens) and the
@@ -375,8 +383,8 @@ mod tests {
             blocks: vec![],
             decided_ms: 0,
         };
-        assert!(read_answer(1, Some(&exp)));
-        assert!(!read_answer(1, None));
-        assert!(read_answer(usage::OBSERVE_EVERY, None));
+        assert!(read_answer(1, Some(&exp), None));
+        assert!(!read_answer(1, None, None));
+        assert!(read_answer(usage::OBSERVE_EVERY, None, None));
     }
 }

@@ -169,6 +169,8 @@ pub struct RawFleet {
     pub prefix_ttl_ms: u64,
     #[serde(default = "defaults::share_last_blocks")]
     pub share_last_blocks: bool,
+    #[serde(default = "defaults::learn_prefill_rates")]
+    pub learn_prefill_rates: bool,
 }
 
 impl Default for RawFleet {
@@ -199,6 +201,7 @@ impl Default for RawFleet {
             prefix_index_slots: defaults::prefix_index_slots(),
             prefix_ttl_ms: defaults::prefix_ttl_ms(),
             share_last_blocks: defaults::share_last_blocks(),
+            learn_prefill_rates: defaults::learn_prefill_rates(),
         }
     }
 }
@@ -568,6 +571,14 @@ pub mod defaults {
     pub fn share_last_blocks() -> bool {
         true
     }
+    /// Replicas whose answers show them prefilling well below the fastest
+    /// are priced at their learned rate (`crate::rates`). Measured in the
+    /// fleet simulation on a fleet of two GPU generations and on one of a
+    /// single kind (docs/fleet-state.md, "Prefill rates learned from
+    /// answers").
+    pub fn learn_prefill_rates() -> bool {
+        true
+    }
     /// Snapshots of 4096 hosts are about 1 MB of JSON.
     pub fn ingest_max_bytes() -> u64 {
         4 << 20
@@ -711,6 +722,11 @@ pub struct FleetConfig {
     /// Shared-data key of the ring of this gateway's recent requests' last
     /// blocks ([`crate::placed::note_last`]).
     pub last_blocks_key: String,
+    /// Whether answers teach which replicas prefill slower
+    /// (`learnPrefillRates`, [`crate::rates`]).
+    pub learn_prefill_rates: bool,
+    /// Shared-data key of the learned prefill rates.
+    pub rates_key: String,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -1098,6 +1114,8 @@ impl RawConfig {
             placed_key: format!("{prefix}.placed.v1"),
             share_last_blocks: f.share_last_blocks,
             last_blocks_key: format!("{prefix}.lastblocks.v1"),
+            learn_prefill_rates: f.learn_prefill_rates,
+            rates_key: format!("{prefix}.rates.v1"),
         };
         let admission =
             compile_admission(&self.admission, &self.objectives, &self.destination_header)?;

@@ -105,7 +105,9 @@
 //!   snapshot gives the other gateways' pending prefill on a replica
 //!   (`peerPendingTokens`), it adds to this gateway's, less what the
 //!   replica has prefilled since it was read, at its rate (the snapshot's
-//!   `prefillTokensPerS` for it, else the configured one); so
+//!   `prefillTokensPerS` for it, else the one its answers taught where it
+//!   is well below the fastest's, [`crate::rates`], else the configured
+//!   one); so
 //!   do the other gateways' recent arrivals (`peerArrivalsPerS`) to this
 //!   gateway's ([`crate::load`]), which a decision that continues a
 //!   conversation counts on its primary in the same compare-and-swap as
@@ -573,6 +575,11 @@ pub struct Decision {
     /// prompt less the prefill charged there; 0 without an index hit). The
     /// answer's own figure is compared with it ([`crate::answers`]).
     pub expected_cached: u64,
+    /// Prefill tokens the decision saw pending on the primary, ahead of
+    /// this request (0 where the decision scored no replica). An answer
+    /// with little pending ahead is a sample of the replica's prefill rate
+    /// ([`crate::rates`]).
+    pub pending: u64,
 }
 
 /// The bounded-load parameters of a decision. The floor is per replica
@@ -618,7 +625,9 @@ struct Replica {
     /// gateway the others' placements.
     peers: bool,
     /// Prompt tokens it prefills per second: the snapshot's
-    /// `prefillTokensPerS` for it where given (current or stale data: a
+    /// `prefillTokensPerS` for it where given, or the one learned from its
+    /// answers ([`crate::rates`], written into the view's host when the
+    /// snapshot was decoded) (current or stale data: a
     /// rate, like a capacity, does not change with the data's age), else
     /// `fleet.prefillTokensPerS`.
     rate: f64,
@@ -1059,6 +1068,7 @@ fn scored(
             key,
             charge: None,
             expected_cached: 0,
+            pending: 0,
         };
     };
     let reason = match (p.spilled, affinity) {
@@ -1080,6 +1090,9 @@ fn scored(
             memory: facts.memory(),
         }),
         expected_cached: facts.input_tokens.saturating_sub(uncached),
+        pending: primary
+            .and_then(|h| replicas.iter().find(|r| r.id == h.id))
+            .map_or(0, |r| r.pending),
     }
 }
 
@@ -1387,6 +1400,7 @@ pub fn route(
                 key: None,
                 charge: None,
                 expected_cached: 0,
+                pending: 0,
             }
         }
     };
@@ -1434,7 +1448,7 @@ pub fn explain(d: &Decision) -> String {
 
 /// An idle replica serving any model, for the tests' snapshots.
 #[cfg(test)]
-fn idle_host(addr: &str, ready: bool, scraped_at_ms: u64) -> crate::fleet::HostState {
+pub(crate) fn idle_host(addr: &str, ready: bool, scraped_at_ms: u64) -> crate::fleet::HostState {
     crate::fleet::HostState {
         address: addr.into(),
         ready,

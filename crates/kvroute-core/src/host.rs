@@ -127,10 +127,13 @@ pub enum Counter {
     /// Last blocks the other gateways can no longer learn of (as
     /// `PlacementsLost`).
     LastBlocksLost,
+    /// Answers that were a sample of their replica's prefill rate
+    /// ([`crate::rates`]).
+    PrefillRateSamples,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 27] = [
+    pub const ALL: [Counter; 28] = [
         Counter::DecisionSession,
         Counter::DecisionPrefix,
         Counter::DecisionSpill,
@@ -158,6 +161,7 @@ impl Counter {
         Counter::PlacementsLost,
         Counter::LastBlocksNoted,
         Counter::LastBlocksLost,
+        Counter::PrefillRateSamples,
     ];
 
     pub fn name(self) -> &'static str {
@@ -189,6 +193,7 @@ impl Counter {
             Counter::PlacementsLost => "kvroute_placements_lost_total",
             Counter::LastBlocksNoted => "kvroute_last_blocks_noted_total",
             Counter::LastBlocksLost => "kvroute_last_blocks_lost_total",
+            Counter::PrefillRateSamples => "kvroute_prefill_rate_samples_total",
         }
     }
 }

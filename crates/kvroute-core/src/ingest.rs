@@ -36,6 +36,7 @@ use crate::fleet::{FleetView, Snapshot, Stamp};
 use crate::host::{Counter, SetError, SharedData};
 use crate::index::Index;
 use crate::placed;
+use crate::rates;
 
 /// Path the collector pushes to.
 pub const INGEST_PATH: &str = "/v1/fleet/snapshot";
@@ -474,6 +475,11 @@ impl FleetCache {
                         }
                         s.placed = Vec::new();
                         s.last_blocks = Vec::new();
+                        // Replicas the answers show prefilling slower.
+                        if router && cfg.fleet.learn_prefill_rates {
+                            let table = rates::read(store, &cfg.fleet.rates_key);
+                            rates::apply(&mut s.hosts, &table, cfg.fleet.prefill_tokens_per_s);
+                        }
                         self.view = Some(Rc::new(FleetView::new(s, h.ingested_at_ms)));
                         outcome = Refresh::Decoded;
                     }

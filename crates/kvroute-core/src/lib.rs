@@ -13,6 +13,8 @@
 //! - [`usage`]: what answers say (output length, cached tokens);
 //! - [`answers`]: the cached tokens an answer reports against the index's
 //!   expectation, and the entries it drops;
+//! - [`rates`]: which replicas prefill slower than the others, learned
+//!   from answers;
 //! - [`admit`]: objectives, priorities and the queue of held requests
 //!   when the fleet is saturated;
 //! - [`config`]: plugin JSON, validated and compiled;
@@ -35,6 +37,7 @@ pub mod ingest;
 pub mod load;
 pub mod picker;
 pub mod placed;
+pub mod rates;
 pub mod request;
 pub mod score;
 pub mod split;

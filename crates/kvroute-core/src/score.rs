@@ -16,7 +16,9 @@
 //!
 //! - `rate`: the replica's prefill rate, the snapshot's `prefillTokensPerS`
 //!   for it where given (a fleet of two GPU generations, docs/fleet-state.md),
-//!   else the configured `prefillTokensPerS`;
+//!   else the one learned from its answers where it is well below the
+//!   fastest replica's ([`crate::rates`]), else the configured
+//!   `prefillTokensPerS`;
 //! - `pending`: prefill ahead of the request, the larger of the engine's
 //!   view (waiting requests x `waitingRequestTokens`) and the gateway's own
 //!   (prompt tokens it sent there with no first response body byte yet). The gateway's

@@ -54,7 +54,9 @@
 //! the real client sends, the output-length prior, the snapshot decode
 //! (`FleetCache`), `route` with the prefix index and the load table, the
 //! release of the prompt part at the first token and of the rest at the
-//! end, and `usage::observe` on one response in four. The modelled
+//! end, `usage::observe` on one response in four, and `rates::learn` on
+//! the answers whose decisions left a prefill-rate probe, stamped at the
+//! first token (`fleet.learnPrefillRates`). The modelled
 //! collector turns each engine's figures into the fleet snapshot the real
 //! collector pushes, and `ingest::store` takes it in. The peers are models
 //! of their documented algorithms and say so in their names.

@@ -23,6 +23,7 @@
 //! its most recent one); Dynamo sees the engines' caches at once and
 //! exactly.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
 use std::time::Instant;
@@ -39,6 +40,7 @@ use kvroute_core::ingest::{self, FleetCache};
 use kvroute_core::load::{self, Charge, LoadReport};
 use kvroute_core::picker::HostSet;
 use kvroute_core::placed;
+use kvroute_core::rates::{self, Probe};
 use kvroute_core::usage::{self, Learned, PriorCache};
 use kvroute_core::{Config, Endpoint};
 use kvroute_sim::engine::sched::{NewRequest, Reading, Scheduler, SeqEvent, Summary};
@@ -96,6 +98,9 @@ pub struct Ticket {
     pub reason: Option<&'static str>,
     /// kvroute: the affinity key the decision placed.
     pub key: Option<u64>,
+    /// kvroute: what the answer needs to be a prefill-rate sample, stamped
+    /// at the first token.
+    pub probe: Cell<Option<Probe>>,
 }
 
 /// A router running as K gateway instances.
@@ -723,6 +728,7 @@ impl Router for Kvroute {
             .by_address
             .get(primary)
             .ok_or_else(|| format!("kvroute named {primary}, not a replica"))?;
+        let probe = Probe::of(&d, now_ms).filter(|_| cfg.fleet.learn_prefill_rates);
         let mut charge = d.charge;
         if let (true, Some(c)) = (self.headers_at_submit, charge) {
             self.release(gw, Charge { memory: 0, ..c });
@@ -738,6 +744,7 @@ impl Router for Kvroute {
             blocks: Vec::new(),
             reason: Some(d.reason.as_str()),
             key: d.key,
+            probe: Cell::new(probe),
         })
     }
 
@@ -852,9 +859,13 @@ impl Router for Kvroute {
             .map_or(0, |g| g.workers.iter().map(|w| w.held.len()).sum())
     }
 
-    fn first_token(&mut self, gw: usize, t: &Ticket, _now_s: f64) {
+    fn first_token(&mut self, gw: usize, t: &Ticket, now_s: f64) {
         if let Some(c) = t.charge {
             self.release(gw, Charge { memory: 0, ..c });
+        }
+        if let Some(mut p) = t.probe.get() {
+            p.first_byte(self.now_ms(now_s));
+            t.probe.set(Some(p));
         }
     }
 
@@ -879,13 +890,25 @@ impl Router for Kvroute {
             }
         }
         // The filter reads the answer's usage; a failed request has none.
-        let read = answers::read_answer(t.stream, t.expectation.as_ref());
+        let probe = t.probe.get();
+        let read = answers::read_answer(t.stream, t.expectation.as_ref(), probe.as_ref());
+        let learned = Learned {
+            output_tokens: Some(u.completion_tokens as u64),
+            cached_tokens: Some(u.cached_tokens as u64),
+            prompt_tokens: Some(u.prompt_tokens as u64),
+        };
+        if let (true, true, true, Some(p)) = (
+            read,
+            u.completion_tokens > 0,
+            self.cfg.fleet.learn_prefill_rates,
+            probe,
+        ) {
+            if let Some(g) = self.gateways.get(gw) {
+                let key = &self.cfg.fleet.rates_key;
+                rates::learn(&g.store, &g.metrics, key, &p, &learned);
+            }
+        }
         if let (true, true, Some(exp)) = (read, u.completion_tokens > 0, &t.expectation) {
-            let learned = Learned {
-                output_tokens: Some(u.completion_tokens as u64),
-                cached_tokens: Some(u.cached_tokens as u64),
-                prompt_tokens: Some(u.prompt_tokens as u64),
-            };
             let now_ms = self.now_ms(now_s);
             if let Some(g) = self.gateways.get_mut(gw) {
                 if let Some(w) = g.workers.get_mut(t.worker) {
