@@ -75,6 +75,11 @@ struct Cli {
     /// Cost per context token of a decoding sequence, modelled microseconds.
     #[arg(long)]
     context_token_us: Option<f64>,
+    /// The last this many engines model an A100 80GB (prefill about 0.3x
+    /// the H100's; the flags above set the others): a fleet of two GPU
+    /// generations.
+    #[arg(long, default_value_t = 0)]
+    a100_engines: u16,
     /// Modelled seconds per real second (10: everything runs 10x faster).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
@@ -140,6 +145,7 @@ fn main() -> ExitCode {
                 engines: usize::from(cli.engines),
                 models,
                 engine: engine_config(&cli),
+                a100_engines: usize::from(cli.a100_engines),
                 time_scale: cli.time_scale,
                 seed: cli.seed,
                 startup_delay: Duration::from_millis(cli.startup_delay_ms),

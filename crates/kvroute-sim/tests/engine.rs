@@ -12,8 +12,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use kvroute_sim::engine::{
-    block_hashes, cacheable_hit_blocks, chat_prompt, generated_text, tokens_of, EngineFleet,
-    FleetConfig, BLOCK_TOKENS,
+    block_hashes, cacheable_hit_blocks, chat_prompt, generated_text, tokens_of, EngineConfig,
+    EngineFleet, FleetConfig, BLOCK_TOKENS,
 };
 use serde_json::Value;
 
@@ -318,4 +318,44 @@ fn serves_chat_streams_metrics_and_errors() {
     );
 
     fleet.shutdown();
+}
+
+/// `a100_engines`: the last engines model an A100 (its batch defaults show
+/// in `/server_info`); more than the fleet is refused.
+#[test]
+fn the_last_engines_model_an_a100() {
+    let fleet = EngineFleet::start(&FleetConfig {
+        base_port: 0,
+        engines: 3,
+        a100_engines: 1,
+        time_scale: 1000.0,
+        ..FleetConfig::default()
+    })
+    .unwrap();
+    let chunk = |addr: SocketAddr| {
+        let (status, _, body) = request(&mut connect(addr), "GET", "/server_info", "");
+        assert_eq!(status, 200);
+        json(&body)["chunked_prefill_size"].as_u64().unwrap()
+    };
+    let sizes: Vec<u64> = fleet.addrs().iter().map(|&a| chunk(a)).collect();
+    let (h100, a100) = (EngineConfig::default(), EngineConfig::a100_80gb());
+    assert_eq!(
+        sizes,
+        [
+            h100.max_num_batched_tokens as u64,
+            h100.max_num_batched_tokens as u64,
+            a100.max_num_batched_tokens as u64
+        ]
+    );
+    assert_ne!(h100.max_num_batched_tokens, a100.max_num_batched_tokens);
+    fleet.shutdown();
+    let err = EngineFleet::start(&FleetConfig {
+        base_port: 0,
+        engines: 2,
+        a100_engines: 3,
+        ..FleetConfig::default()
+    })
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("a100_engines"), "{err}");
 }

@@ -411,17 +411,7 @@ fn settle_all(engines: &mut [Engine], q: &mut Queue, t: f64) {
 
 /// Each engine's configuration: `engine`, the last `a100_engines` an A100's.
 pub fn engine_configs(opts: &Options) -> Vec<EngineConfig> {
-    let n = opts.engines.max(1);
-    let first_a100 = n.saturating_sub(opts.a100_engines);
-    (0..n)
-        .map(|i| {
-            if i >= first_a100 {
-                EngineConfig::a100_80gb()
-            } else {
-                opts.engine.clone()
-            }
-        })
-        .collect()
+    opts.engine.fleet(opts.engines.max(1), opts.a100_engines)
 }
 
 /// Each engine's prefill rate ([`EngineConfig::prefill_tokens_per_s`]), for

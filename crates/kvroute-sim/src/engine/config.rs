@@ -103,6 +103,23 @@ impl EngineConfig {
             context_token_us: 0.0804,
         }
     }
+
+    /// The configurations of a fleet of `engines`: `self` for each, but the
+    /// last `a100_engines`, which model an A100 ([`EngineConfig::a100_80gb`]):
+    /// a fleet of two GPU generations, for the real engines and the
+    /// virtual-time simulation alike.
+    pub fn fleet(&self, engines: usize, a100_engines: usize) -> Vec<EngineConfig> {
+        let first_a100 = engines.saturating_sub(a100_engines);
+        (0..engines)
+            .map(|i| {
+                if i >= first_a100 {
+                    EngineConfig::a100_80gb()
+                } else {
+                    self.clone()
+                }
+            })
+            .collect()
+    }
 }
 
 /// Why an [`EngineConfig`] was refused.

@@ -44,6 +44,10 @@ pub struct FleetConfig {
     pub models: Vec<String>,
     /// Scheduler limits and step-time constants of every engine.
     pub engine: EngineConfig,
+    /// The last this many engines model an A100 80GB instead
+    /// ([`EngineConfig::a100_80gb`], with `engine`'s KV capacity): a fleet
+    /// of two GPU generations.
+    pub a100_engines: usize,
     /// Modelled seconds per real second.
     pub time_scale: f64,
     /// Seed of the generated text.
@@ -62,6 +66,7 @@ impl Default for FleetConfig {
             engines: 4,
             models: vec![DEFAULT_MODEL.to_owned()],
             engine: EngineConfig::default(),
+            a100_engines: 0,
             time_scale: 1.0,
             seed: 1,
             startup_delay: Duration::ZERO,
@@ -89,6 +94,12 @@ impl FleetConfig {
             )));
         }
         self.engine.validate().map_err(|e| invalid(e.0))?;
+        if self.a100_engines > self.engines {
+            return Err(invalid(format!(
+                "a100_engines = {}: more than the {} engines",
+                self.a100_engines, self.engines
+            )));
+        }
         for f in &self.faults {
             if f.engine >= self.engines {
                 return Err(invalid(format!(
@@ -263,6 +274,7 @@ impl EngineFleet {
                 .map_err(|e| io::Error::new(e.kind(), format!("bind {addr}: {e}")))?;
             listeners.push(listener);
         }
+        let configs = cfg.engine.fleet(cfg.engines, cfg.a100_engines);
         let clock = Arc::new(Clock {
             start: Instant::now(),
             scale: cfg.time_scale,
@@ -282,7 +294,13 @@ impl EngineFleet {
                 started: clock.start,
                 startup_delay: cfg.startup_delay,
                 core: Mutex::new(Core {
-                    sched: Scheduler::new(cfg.engine.clone(), cfg.seed),
+                    sched: Scheduler::new(
+                        configs
+                            .get(index)
+                            .cloned()
+                            .unwrap_or_else(|| cfg.engine.clone()),
+                        cfg.seed,
+                    ),
                     senders: HashMap::new(),
                     last_arrival: 0.0,
                 }),
