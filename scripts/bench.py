@@ -600,7 +600,8 @@ def main(argv=None) -> int:
     desc = json.loads(described.stdout)
     log(f"workload: {desc['summary']}: {desc['requests']} requests over {desc['span_s']:.0f} s, "
         f"mean input {desc['mean_input_tokens']:.0f} tokens, mean output {desc['mean_output_tokens']:.0f}")
-    log(f"fleet: {args.engines} simulated engines (kvroute-sim --mode engine, time scale {args.time_scale}x)")
+    log(f"fleet: {args.engines} simulated engines (kvroute-sim --mode engine, time scale {args.time_scale}x"
+        + (f", {' '.join(args.sim_arg)}" if args.sim_arg else "") + ")")
     harness.install_sigterm_as_interrupt()
     work = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
     runs_dir = args.out / "runs"
@@ -679,8 +680,9 @@ def main(argv=None) -> int:
     setup = [
         f"Workload: {desc['summary']} ({desc['requests']} requests, mean input {desc['mean_input_tokens']:.0f} tokens, "
         f"mean output {desc['mean_output_tokens']:.0f} tokens).",
-        f"Fleet: {args.engines} x kvroute-sim engine (Llama-3.1-8B on one H100 model, see docs/simulator.md), "
-        f"time scale {args.time_scale}x; every figure is modelled time.",
+        f"Fleet: {args.engines} x kvroute-sim engine (Llama-3.1-8B on one H100 model, see docs/simulator.md"
+        + (f"; with {' '.join(args.sim_arg)}, the no-queue floor still the H100's" if args.sim_arg else "")
+        + f"), time scale {args.time_scale}x; every figure is modelled time.",
         "Each router runs alone on a freshly started fleet; requests stream (SSE) open-loop at the workload's times.",
         *[f"Skipped: {s}" for s in skipped],
         *[f"Failed: {f} (see the log above)" for f in failed],

@@ -35,8 +35,11 @@
 //! its own, by it (`decide.rs`); absent, by the configured
 //! `fleet.prefillTokensPerS`. A fleet of two GPU generations is where it
 //! matters (docs/fleet-state.md, "A fleet of two GPU generations"). No
-//! engine exports its rate and kvroute-collector does not fill it yet: the
-//! fleet simulation's `kvroute-known-rates` measures what it is worth.
+//! engine exports its rate and kvroute-collector does not fill it yet; the
+//! filter learns which replicas are slower from their answers
+//! ([`crate::rates`]) and prices them so where the snapshot gives no rate.
+//! The fleet simulation's `kvroute-known-rates` measures what the true
+//! rates are worth.
 //!
 //! `seq` increases monotonically per collector; the ingest endpoint refuses
 //! a snapshot older than the stored one. Times are the collector's clock in

@@ -225,7 +225,9 @@ pub const ALONE: &str = "kvroute-alone";
 /// prefill rate (`prefillTokensPerS`, from the engine model's
 /// configuration, [`Setup::prefill_rates`]). No engine exports it and
 /// kvroute-collector does not fill it yet: an upper bound on what knowing
-/// each GPU's speed is worth in a fleet of two generations.
+/// each GPU's speed is worth in a fleet of two generations, against which
+/// `kvroute`'s rates learned from answers (`fleet.learnPrefillRates`) are
+/// measured.
 pub const KNOWN_RATES: &str = "kvroute-known-rates";
 
 /// The key of a router's report name (`round-robin (modelled)` ->
