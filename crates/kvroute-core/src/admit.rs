@@ -15,7 +15,8 @@
 //!   has headroom by the placement's own figures
 //!   ([`crate::decide::headroom`]): the prefill pending ahead of it (the
 //!   larger of the engine's queue and what this gateway sent) within
-//!   `maxPendingS` at `prefillTokensPerS`, and its predicted KV use with
+//!   `maxPendingS` at its rate (the snapshot's or the one learned from its
+//!   answers, else `prefillTokensPerS`), and its predicted KV use with
 //!   the request within `maxMemory` of capacity. A replica without current
 //!   engine data always has headroom: nothing is held on missing data;
 //! - a request **goes on** when the fleet has headroom for it and no held

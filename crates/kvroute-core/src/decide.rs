@@ -760,7 +760,8 @@ fn observed(
 /// Whether some replica that may take the request has room for it, by the
 /// placement's own figures: the prefill pending ahead of it (the larger of
 /// the engine's queue and the gateway's dispatches) takes at most
-/// `admission.maxPendingS` at `prefillTokensPerS`, and its memory with the
+/// `admission.maxPendingS` at its rate (the snapshot's or the learned one,
+/// else `prefillTokensPerS`), and its memory with the
 /// request stays within `admission.maxMemory` of its KV capacity (without a
 /// capacity: KV utilisation below `kvPressure`). A replica without current
 /// engine data has room (nothing is held on missing data), and so has a
@@ -783,7 +784,6 @@ pub fn headroom(
     }
     let a = &cfg.admission;
     let need = facts.memory();
-    let max_pending = a.max_pending_s * cfg.fleet.prefill_tokens_per_s;
     replicas.iter().any(|r| {
         if !r.fresh {
             return true;
@@ -792,7 +792,7 @@ pub fn headroom(
             Some(c) => r.memory.saturating_add(need) as f64 <= a.max_memory * c as f64,
             None => r.kv < cfg.fleet.kv_pressure,
         };
-        memory && r.pending as f64 <= max_pending
+        memory && r.pending as f64 <= a.max_pending_s * r.rate
     })
 }
 
@@ -2461,6 +2461,15 @@ mod tests {
             });
         }
         assert!(!headroom(&c, &f, Some(&busy(0.2, 0, 0)), &table, 5000));
+        // The queue is judged at each replica's own rate: 20 waiting
+        // requests (about 20k tokens) are within a second at 30k tokens/s,
+        // not at a rate of 10k (the snapshot's, or one learned from answers).
+        assert!(headroom(&c, &f, Some(&busy(0.2, 20, 0)), &empty, 5000));
+        let mut slow = busy(0.2, 20, 0);
+        for h in &mut slow.hosts {
+            h.state.prefill_tokens_per_s = Some(10_000.0);
+        }
+        assert!(!headroom(&c, &f, Some(&slow), &empty, 5000));
     }
 
     #[test]
