@@ -66,3 +66,26 @@ def start_module_stack(request, **kwargs) -> harness.Stack:
     stack = harness.Stack(**kwargs)
     request.addfinalizer(stack.stop)
     return stack.start()
+
+
+ANSWERS_TOKEN = "e2e-ingest-token-0123456789abcdef"
+
+
+def start_answers_stack(request) -> harness.Stack:
+    """4 replicas with their modelled prefix cache on (answers carry usage
+    with cached tokens), snapshots pushed from Python, data stale after 10 s."""
+    s = start_module_stack(
+        request, replicas=4, concurrency=2, ingest_token=ANSWERS_TOKEN,
+        plugin_overrides={"fleet": {"staleAfterMs": 10_000}},
+    )
+    for h in s.live_hosts:
+        s.replica_control(h, prefix_cache=True, flush_cache=True)
+    return s
+
+
+def ask_chat(stack: harness.Stack, body: dict) -> harness.Reply:
+    """A chat request that must succeed on the replica the filter chose."""
+    r = harness.send(stack.gateway_url, "/v1/chat/completions", json_body=body)
+    assert r.status == 200, r.describe()
+    assert r.served_by == r.decided_host, r.describe()
+    return r

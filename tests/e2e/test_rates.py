@@ -20,29 +20,16 @@ from __future__ import annotations
 import pytest
 
 import harness
-from conftest import start_module_stack
-from harness import chat_body, filler, send
+from conftest import ask_chat as ask
+from conftest import start_answers_stack
+from harness import chat_body, filler
 
-CHAT = "/v1/chat/completions"
-TOKEN = "e2e-ingest-token-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
 def stack(request, wasm_path) -> harness.Stack:
-    s = start_module_stack(
-        request, replicas=4, concurrency=2, ingest_token=TOKEN,
-        plugin_overrides={"fleet": {"staleAfterMs": 10_000}},
-    )
-    for h in s.live_hosts:
-        s.replica_control(h, prefix_cache=True, flush_cache=True)
-    return s
+    return start_answers_stack(request)
 
-
-def ask(stack: harness.Stack, body: dict) -> harness.Reply:
-    r = send(stack.gateway_url, CHAT, json_body=body)
-    assert r.status == 200, r.describe()
-    assert r.served_by == r.decided_host, r.describe()
-    return r
 
 
 def samples(stack: harness.Stack) -> float:

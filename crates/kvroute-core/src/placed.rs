@@ -119,7 +119,7 @@ impl Placement {
 }
 
 /// The little-endian word `k` of `bytes` (0 where `bytes` is too short).
-fn word(bytes: &[u8], k: usize) -> u64 {
+pub(crate) fn word(bytes: &[u8], k: usize) -> u64 {
     bytes
         .get(k * 8..k * 8 + 8)
         .and_then(|b| b.try_into().ok())

@@ -76,6 +76,7 @@ use crate::decide::Decision;
 use crate::fleet::{HostState, MAX_HOSTS};
 use crate::host::{Counter, Metrics, SetError, SharedData};
 use crate::picker::host_id;
+use crate::placed::word;
 use crate::usage::Learned;
 
 const MAGIC: &[u8; 4] = b"KVR1";
@@ -193,17 +194,10 @@ impl RateTable {
         }
         let mut entries: Vec<Entry> = body
             .chunks_exact(ENTRY)
-            .map(|c| {
-                let word = |i: usize| {
-                    let mut b = [0u8; 8];
-                    b.copy_from_slice(c.get(i * 8..i * 8 + 8).unwrap_or(&[0; 8]));
-                    u64::from_le_bytes(b)
-                };
-                Entry {
-                    host: word(0),
-                    rate: f64::from_bits(word(1)),
-                    samples: word(2),
-                }
+            .map(|c| Entry {
+                host: word(c, 0),
+                rate: f64::from_bits(word(c, 1)),
+                samples: word(c, 2),
             })
             .filter(|e| e.rate.is_finite() && e.rate > 0.0)
             .collect();
