@@ -7,8 +7,8 @@
 use std::cell::RefCell;
 
 use kvroute_core::host::{
-    AdmissionCounter, Counter, Gauge, HostError, Metrics, ReplicaCounter, SetError, SharedData,
-    ADMISSION_WAIT_MS, OTHER_REPLICAS, REPLICA_SERIES,
+    AdmissionCounter, Counter, Gauge, HostError, Metrics, ReplicaCounter, ReplicaGauge, SetError,
+    SharedData, ADMISSION_WAIT_MS, OTHER_REPLICAS, REPLICA_SERIES,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MetricType, Status};
@@ -39,6 +39,11 @@ pub struct HostMetrics {
     /// `other` series (the tally already caps them; this holds whatever
     /// calls it).
     series: RefCell<Vec<(String, Option<u32>)>>,
+    /// Per-replica gauges, defined when first set: `(host metric name,
+    /// id, last value set)`, at most `REPLICA_SERIES` series (the rest are
+    /// not kept; a replica that left the fleet keeps its last value); a
+    /// value is handed to the host only when it changes.
+    gauge_series: RefCell<Vec<(String, Option<u32>, u64)>>,
     /// Admission counters by objective slot (the default, then the
     /// configured objectives), by `AdmissionCounter::ALL`; defined only
     /// when admission control is on.
@@ -78,6 +83,7 @@ impl HostMetrics {
                 .map(|g| define(MetricType::Gauge, g.name()))
                 .collect(),
             series: RefCell::new(Vec::new()),
+            gauge_series: RefCell::new(Vec::new()),
         }
     }
 
@@ -164,6 +170,29 @@ impl Metrics for HostMetrics {
     fn count_replica(&self, c: ReplicaCounter, replica: &str, n: u64) {
         if let Some(id) = self.series_id(c, replica) {
             let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+
+    fn gauge_replica(&self, g: ReplicaGauge, replica: &str, v: u64) {
+        let Ok(mut series) = self.gauge_series.try_borrow_mut() else {
+            return;
+        };
+        let name = g.series(replica);
+        let row = match series.iter().position(|(n, _, _)| *n == name) {
+            Some(i) => i,
+            None if series.len() < REPLICA_SERIES => {
+                let id = define(MetricType::Gauge, &name);
+                // u64::MAX: never set, so the first value is recorded.
+                series.push((name, id, u64::MAX));
+                series.len() - 1
+            }
+            None => return,
+        };
+        if let Some((_, Some(id), last)) = series.get_mut(row) {
+            if *last != v {
+                *last = v;
+                let _ = hostcalls::record_metric(*id, v);
+            }
         }
     }
 }

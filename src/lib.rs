@@ -142,6 +142,10 @@ impl Shared {
                     v.hosts.len()
                 );
                 m.gauge(Gauge::FleetHosts, v.hosts.len() as u64);
+                if self.config.role == Role::Router {
+                    let hosts = v.hosts.iter().map(|h| &h.state);
+                    rates::report(m, hosts, self.config.fleet.prefill_tokens_per_s);
+                }
             }
             (Refresh::Failed, _) => m.count(Counter::SnapshotDecodeFailed, 1),
             _ => {}

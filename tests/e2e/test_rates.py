@@ -12,7 +12,9 @@ Python.
 What is shown: answers to requests with nothing queued ahead are counted
 as samples (`kvroute_prefill_rate_samples_total`); once the slow replica
 and two others have answered enough of them and the next snapshot is
-decoded, a cold prompt whose home is the slow replica goes to a faster one.
+decoded, a cold prompt whose home is the slow replica goes to a faster one,
+and the per-replica gauge `kvroute_prefill_rate_tokens_per_s` shows the
+slow replica's lower rate.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ from harness import chat_body, filler
 def stack(request, wasm_path) -> harness.Stack:
     return start_answers_stack(request)
 
+
+
+def label(replica: str) -> str:
+    """A replica's `replica` label (envoy.yaml's stats_tags)."""
+    return replica.replace(".", "_").replace(":", "_")
 
 
 def samples(stack: harness.Stack) -> float:
@@ -73,6 +80,15 @@ def test_a_replica_whose_answers_show_a_slow_prefill_stops_getting_cold_prompts(
     # share the rest.
     assert moved.get(slow, 0) == 0, moved
     assert len(moved) >= 2, moved
+    # Operators see it: the rate the cost uses, per replica (a gauge set
+    # when a snapshot is decoded), is the configured 30k tokens/s on the
+    # fast replicas and about a tenth of it on the slow one.
+    metrics = stack.envoy.kvroute_metrics()
+    rate = {h: metrics.get(f'kvroute_prefill_rate_tokens_per_s{{replica="{label(h)}"}}')
+            for h in stack.live_hosts}
+    print(f"priced rates: {rate}")
+    assert rate[slow] is not None and rate[slow] < 30_000 / 2, rate
+    assert all(rate[h] == 30_000 for h in stack.live_hosts if h != slow), rate
     # A short prompt is no sample.
     m0 = samples(stack)
     ask(stack, chat_body(user_text=filler("rate-short", 800)))

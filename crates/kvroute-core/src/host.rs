@@ -254,26 +254,56 @@ impl ReplicaCounter {
         }
     }
 
-    /// The host's metric name for one replica's series:
-    /// `<name>.replica.<label>`, where Envoy's stats tag extraction (see
-    /// envoy-config/envoy.yaml, `stats_tags`) turns the suffix into the
-    /// label `replica`. The label is the address with every byte other
-    /// than `[A-Za-z0-9_-]` replaced by `_` (`127.0.0.1:8001` ->
-    /// `127_0_0_1_8001`): a dot would split Envoy's stat name.
+    /// The host's metric name for one replica's series (see
+    /// [`replica_series`]).
     pub fn series(self, replica: &str) -> String {
-        let label: String = replica
-            .chars()
-            .take(MAX_LABEL)
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        format!("{}.replica.{label}", self.name())
+        replica_series(self.name(), replica)
     }
+}
+
+/// Gauges kept per replica, for the first [`REPLICA_SERIES`] replicas of
+/// the snapshot in use (no `other` series: a sum of these is meaningless).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaGauge {
+    /// The prefill rate the cost uses for the replica, tokens/s: the
+    /// snapshot's, else the one learned from its answers when it is
+    /// priced slower ([`crate::rates`]), else `fleet.prefillTokensPerS`.
+    PrefillRate,
+}
+
+impl ReplicaGauge {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReplicaGauge::PrefillRate => "kvroute_prefill_rate_tokens_per_s",
+        }
+    }
+
+    /// The host's metric name for one replica's series (see
+    /// [`replica_series`]).
+    pub fn series(self, replica: &str) -> String {
+        replica_series(self.name(), replica)
+    }
+}
+
+/// The host's metric name for one replica's series of metric `name`:
+/// `<name>.replica.<label>`, where Envoy's stats tag extraction (see
+/// envoy-config/envoy.yaml, `stats_tags`) turns the suffix into the label
+/// `replica`. The label is the address with every byte other than
+/// `[A-Za-z0-9_-]` replaced by `_` (`127.0.0.1:8001` -> `127_0_0_1_8001`):
+/// a dot would split Envoy's stat name.
+pub fn replica_series(name: &str, replica: &str) -> String {
+    let label: String = replica
+        .chars()
+        .take(MAX_LABEL)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{name}.replica.{label}")
 }
 
 /// Admission-control counters, one series per objective
@@ -331,6 +361,8 @@ pub trait Metrics {
     fn gauge(&self, g: Gauge, v: u64);
     /// Adds to one replica's series of `c` (no-op unless implemented).
     fn count_replica(&self, _c: ReplicaCounter, _replica: &str, _n: u64) {}
+    /// Sets one replica's series of `g` (no-op unless implemented).
+    fn gauge_replica(&self, _g: ReplicaGauge, _replica: &str, _v: u64) {}
 }
 
 /// Counts kept in the VM and handed to the host in batches.
@@ -422,7 +454,7 @@ impl Metrics for Tally {
 pub struct MemoryMetrics {
     pub counters: RefCell<HashMap<&'static str, u64>>,
     pub gauges: RefCell<HashMap<&'static str, u64>>,
-    /// Per-replica series by their host metric name.
+    /// Per-replica series (counters and gauges) by their host metric name.
     pub series: RefCell<HashMap<String, u64>>,
 }
 
@@ -453,6 +485,9 @@ impl Metrics for MemoryMetrics {
             .borrow_mut()
             .entry(c.series(replica))
             .or_default() += n;
+    }
+    fn gauge_replica(&self, g: ReplicaGauge, replica: &str, v: u64) {
+        self.series.borrow_mut().insert(g.series(replica), v);
     }
 }
 

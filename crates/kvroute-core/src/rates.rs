@@ -71,10 +71,14 @@
 //! before: its replicas' rates differ by the traffic each had, within
 //! [`SLOWER`] (measured in docs/fleet-state.md, "Prefill rates learned
 //! from answers"). Off with `fleet.learnPrefillRates`.
+//!
+//! Each router sets the gauge `kvroute_prefill_rate_tokens_per_s` per
+//! replica (label `replica`) to the rate the cost uses for it, whenever it
+//! decodes a snapshot ([`report`]).
 
 use crate::decide::Decision;
 use crate::fleet::{HostState, MAX_HOSTS};
-use crate::host::{Counter, Metrics, SetError, SharedData};
+use crate::host::{Counter, Metrics, ReplicaGauge, SetError, SharedData, REPLICA_SERIES};
 use crate::picker::host_id;
 use crate::placed::word;
 use crate::usage::Learned;
@@ -289,6 +293,22 @@ pub fn apply(hosts: &mut [HostState], table: &RateTable, configured: f64) {
         if let Ok(i) = slower.binary_search_by_key(&id, |s| s.0) {
             h.prefill_tokens_per_s = slower.get(i).map(|s| s.1);
         }
+    }
+}
+
+/// Sets each replica's [`ReplicaGauge::PrefillRate`] to the rate the cost
+/// uses for it (its own, else `configured`), for the first
+/// [`REPLICA_SERIES`] hosts, so that operators see which replicas are
+/// priced slower.
+pub fn report<'a>(
+    m: &dyn Metrics,
+    hosts: impl IntoIterator<Item = &'a HostState>,
+    configured: f64,
+) {
+    for h in hosts.into_iter().take(REPLICA_SERIES) {
+        let rate = h.prefill_tokens_per_s.unwrap_or(configured);
+        // A float to integer cast saturates (and a NaN gives 0).
+        m.gauge_replica(ReplicaGauge::PrefillRate, &h.address, rate.round() as u64);
     }
 }
 
@@ -513,9 +533,34 @@ mod tests {
         apply(&mut hosts, &t, 40_000.0);
         let rates: Vec<Option<f64>> = hosts.iter().map(|h| h.prefill_tokens_per_s).collect();
         assert_eq!(rates, [None, Some(10_000.0), Some(9_000.0)]);
+        // The gauges show the rate the cost uses for each replica.
+        let m = crate::host::MemoryMetrics::default();
+        report(&m, &hosts, 40_000.0);
+        let gauge = |addr: &str| {
+            m.series
+                .borrow()
+                .get(&ReplicaGauge::PrefillRate.series(addr))
+                .copied()
+        };
+        assert_eq!(
+            ["a:1", "b:1", "c:1", "d:1"].map(gauge),
+            [Some(40_000), Some(10_000), Some(9_000), None]
+        );
         // Nothing learned: nothing changes.
         apply(&mut hosts[..1], &RateTable::default(), 40_000.0);
         assert_eq!(hosts[0].prefill_tokens_per_s, None);
+    }
+
+    #[test]
+    fn rate_gauges_cover_at_most_the_replica_series_cap() {
+        let hosts: Vec<HostState> = (0..REPLICA_SERIES + 10)
+            .map(|i| crate::decide::idle_host(&format!("10.0.{}.{}:80", i / 200, i % 200), true, 0))
+            .collect();
+        let m = crate::host::MemoryMetrics::default();
+        report(&m, &hosts, f64::NAN);
+        let series = m.series.borrow();
+        assert_eq!(series.len(), REPLICA_SERIES);
+        assert!(series.values().all(|v| *v == 0), "a NaN rate reads as 0");
     }
 
     #[test]
