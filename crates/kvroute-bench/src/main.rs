@@ -131,6 +131,12 @@ struct SuiteArgs {
     /// Reuse the runs whose report.json and timing.json are already under --out.
     #[arg(long)]
     resume: bool,
+    /// With --resume: run these routers again and keep every other
+    /// router's stored run (e.g. `--rerun kvroute` after a change to
+    /// kvroute only; the peers' modelled runs do not depend on it). The
+    /// Markdown says which routers ran again.
+    #[arg(long, value_delimiter = ',', requires = "resume")]
+    rerun: Vec<String>,
     /// Send no session header: the setting of most OpenAI-style clients
     /// (kvroute keys each conversation by its text to the first question).
     #[arg(long)]
@@ -901,6 +907,7 @@ fn run_suite(a: &SuiteArgs) -> Result<ExitCode, String> {
         jobs: a.jobs,
         command,
         resume: a.resume,
+        rerun: a.rerun.clone(),
         only: a.only.clone(),
         kvroute_config: serde_json::from_str(&a.kvroute_config)
             .map_err(|e| format!("--kvroute-config: not JSON: {e}"))?,

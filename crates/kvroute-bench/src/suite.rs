@@ -54,6 +54,9 @@ pub struct SuiteOptions {
     pub command: String,
     /// Reuse a run whose report.json (and timing.json) is already in `out`.
     pub resume: bool,
+    /// With `resume`: these routers run again, every other router's
+    /// stored run is kept (empty: a stored report is reused whole).
+    pub rerun: Vec<String>,
     /// Workloads to run, by name ("mooncake" and the families; empty: all).
     pub only: Vec<String>,
     /// kvroute's plugin JSON without `hosts` (`{}`: its defaults).
@@ -161,7 +164,24 @@ fn trace_workload(path: &Path, replicas: usize, load: f64) -> Result<Workload, S
     .map_err(|e| e.to_string())
 }
 
+/// The report and timings stored under `dir` by an earlier run, if any.
+/// Without timing.json (an older run) the wall and CPU columns read 0.
+fn stored(dir: &Path) -> Result<Option<(Report, Vec<Timing>)>, String> {
+    let Ok(report) = std::fs::read(dir.join("report.json")) else {
+        return Ok(None);
+    };
+    let report: Report = serde_json::from_slice(&report).map_err(|e| e.to_string())?;
+    let timing: Vec<Timing> = std::fs::read(dir.join("timing.json"))
+        .ok()
+        .and_then(|t| serde_json::from_slice(&t).ok())
+        .unwrap_or_default();
+    Ok(Some((report, timing)))
+}
+
 /// Runs `routers` on `wl`; writes the report under `dir`; returns the rows.
+/// With `resume`, a report stored under `dir` is reused: whole when
+/// `rerun` is empty, else every router's stored run but those in `rerun`,
+/// which run again.
 #[allow(clippy::too_many_arguments)]
 fn compare(
     name: &str,
@@ -171,35 +191,28 @@ fn compare(
     dir: &Path,
     keep_samples: bool,
     resume: bool,
+    rerun: &[String],
     kvroute_config: &serde_json::Value,
 ) -> Result<Vec<Row>, String> {
     let mut runs = Vec::new();
     let mut rows = Vec::new();
-    if resume {
-        if let Ok(report) = std::fs::read(dir.join("report.json")) {
-            let report: Report = serde_json::from_slice(&report).map_err(|e| e.to_string())?;
-            // Without timing.json (an older run) the wall and CPU columns
-            // read 0.
-            let timing: Vec<Timing> = std::fs::read(dir.join("timing.json"))
-                .ok()
-                .and_then(|t| serde_json::from_slice(&t).ok())
-                .unwrap_or_default();
-            eprintln!("  {name}: reusing {}", dir.display());
-            return Ok(report
-                .runs
-                .iter()
-                .enumerate()
-                .map(|(i, s)| {
-                    Row::new(
-                        name,
-                        o.engines,
-                        o.seed,
-                        s,
-                        &timing.get(i).cloned().unwrap_or_default(),
-                    )
-                })
-                .collect());
-        }
+    let kept = if resume { stored(dir)? } else { None };
+    if let (Some((report, timing)), true) = (&kept, rerun.is_empty()) {
+        eprintln!("  {name}: reusing {}", dir.display());
+        return Ok(report
+            .runs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                Row::new(
+                    name,
+                    o.engines,
+                    o.seed,
+                    s,
+                    &timing.get(i).cloned().unwrap_or_default(),
+                )
+            })
+            .collect());
     }
     let mut timings = Vec::new();
     for r in routers_ {
@@ -210,6 +223,22 @@ fn compare(
             ..routers::Setup::new(o.engines, o.gateways, o.seed)
         };
         let mut router = routers::build(r, &setup)?;
+        // A stored run of a router that is not run again (matched by the
+        // name the report gives it).
+        let reused = kept
+            .as_ref()
+            .filter(|_| !rerun.contains(r))
+            .and_then(|(report, timing)| {
+                let i = report.runs.iter().position(|s| s.router == router.name())?;
+                let s = report.runs.get(i)?.clone();
+                Some((s, timing.get(i).cloned().unwrap_or_default()))
+            });
+        if let Some((s, t)) = reused {
+            rows.push(Row::new(name, o.engines, o.seed, &s, &t));
+            runs.push(s);
+            timings.push(t);
+            continue;
+        }
         let out = sim::run(wl, router.as_mut(), o);
         let t = sim::timing(&out);
         let s = out.summary;
@@ -263,6 +292,16 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
         return Err(format!(
             "--load {} must be positive and --a100-share {} within 0..1",
             o.load, o.a100_share
+        ));
+    }
+    if let Some(bad) = o
+        .rerun
+        .iter()
+        .find(|r| !o.routers.contains(r) && !o.scale_routers.contains(r))
+    {
+        return Err(format!(
+            "--rerun: {bad:?} is not one of the suite's routers ({})",
+            o.routers.join(", ")
         ));
     }
     std::fs::create_dir_all(&o.out).map_err(|e| format!("{}: {e}", o.out.display()))?;
@@ -343,6 +382,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
             &dir,
             true,
             o.resume,
+            &o.rerun,
             &o.kvroute_config,
         )
     };
@@ -405,6 +445,7 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
             &dir,
             n <= 64,
             o.resume,
+            &o.rerun,
             &o.kvroute_config,
         )?);
     }
@@ -628,6 +669,16 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
          numbers.\n",
         o.command, wall_s
     );
+    if o.resume && !o.rerun.is_empty() {
+        let _ = writeln!(
+            s,
+            "Only {} ran for this page (`--resume --rerun`); every other router's runs are the stored \
+             ones in `{}` from the last full generation (a router's modelled run depends only on the \
+             workload, the engine model and its own code).\n",
+            o.rerun.join(", "),
+            plots
+        );
+    }
     if o.seeds.len() > 1 {
         let seeds: Vec<String> = o.seeds.iter().map(u64::to_string).collect();
         let _ = writeln!(

@@ -529,6 +529,7 @@ fn the_suite_runs_every_seed_and_scores_kvroute_per_seed() {
         jobs: 2,
         command: "test".to_owned(),
         resume: false,
+        rerun: vec![],
         only: vec!["groups".to_owned()],
         kvroute_config: serde_json::json!({}),
         session_header: true,
@@ -590,6 +591,37 @@ fn the_suite_runs_every_seed_and_scores_kvroute_per_seed() {
         rows.iter().map(modelled).collect::<Vec<_>>(),
         alone.iter().map(modelled).collect::<Vec<_>>()
     );
+    // `--resume --rerun kvroute` with another kvroute config: round robin's
+    // stored runs are kept (their wall times too, which a new run would
+    // not reproduce), kvroute's run again, with the new config.
+    let wall = |rows: &[suite::Row], router: &str| -> Vec<u64> {
+        rows.iter()
+            .filter(|r| r.router.starts_with(router))
+            .map(|r| r.wall_s.to_bits())
+            .collect()
+    };
+    let rerun = suite::run(&SuiteOptions {
+        resume: true,
+        rerun: vec!["kvroute".to_owned()],
+        kvroute_config: serde_json::json!({"fleet": {"learnPrefillRates": false}}),
+        ..o.clone()
+    })
+    .unwrap();
+    assert_eq!(rerun.len(), rows.len());
+    assert_eq!(wall(&rerun, "round-robin"), wall(&rows, "round-robin"));
+    assert!(wall(&rerun, "kvroute")
+        .iter()
+        .zip(wall(&rows, "kvroute"))
+        .all(|(a, b)| *a != b));
+    let md = std::fs::read_to_string(out.join("simulation.md")).unwrap();
+    assert!(md.contains("Only kvroute ran for this page"), "{md}");
+    // A router to run again that the suite does not run is refused.
+    let typo = suite::run(&SuiteOptions {
+        resume: true,
+        rerun: vec!["kvrote".to_owned()],
+        ..o.clone()
+    });
+    assert!(typo.unwrap_err().contains("kvrote"));
     let _ = std::fs::remove_dir_all(&out);
 }
 
