@@ -13,6 +13,10 @@ use kvroute_core::host::{
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MetricType, Status};
 
+/// Per-replica gauge series a worker defines over its life: four times
+/// the replicas it reports at once, for replicas replaced over time.
+const GAUGE_SERIES: usize = 4 * REPLICA_SERIES;
+
 /// Envoy's shared data for this VM id.
 pub struct HostSharedData;
 
@@ -40,9 +44,10 @@ pub struct HostMetrics {
     /// calls it).
     series: RefCell<Vec<(String, Option<u32>)>>,
     /// Per-replica gauges, defined when first set: `(host metric name,
-    /// id, last value set)`, at most `REPLICA_SERIES` series (the rest are
-    /// not kept; a replica that left the fleet keeps its last value); a
-    /// value is handed to the host only when it changes.
+    /// id, last value set)`, at most `GAUGE_SERIES` over the VM's life (a
+    /// metric cannot be removed; a replica that left reads 0, and past the
+    /// cap new replicas get no series); a value is handed to the host only
+    /// when it changes.
     gauge_series: RefCell<Vec<(String, Option<u32>, u64)>>,
     /// Admission counters by objective slot (the default, then the
     /// configured objectives), by `AdmissionCounter::ALL`; defined only
@@ -180,7 +185,7 @@ impl Metrics for HostMetrics {
         let name = g.series(replica);
         let row = match series.iter().position(|(n, _, _)| *n == name) {
             Some(i) => i,
-            None if series.len() < REPLICA_SERIES => {
+            None if series.len() < GAUGE_SERIES => {
                 let id = define(MetricType::Gauge, &name);
                 // u64::MAX: never set, so the first value is recorded.
                 series.push((name, id, u64::MAX));

@@ -95,6 +95,11 @@ struct Shared {
     admission_counts: RefCell<Vec<[u64; AdmissionCounter::ALL.len()]>>,
     /// The queue length last added to the gauge.
     held_published: Cell<i64>,
+    /// A snapshot was decoded since the per-replica rate gauges were last
+    /// set (they are set on the tick, off the request path).
+    rates_due: Cell<bool>,
+    /// The replicas whose rate gauge was set last (kvroute_core::rates::report).
+    rates_shown: RefCell<Vec<String>>,
 }
 
 /// A held request: what its decision needs.
@@ -142,10 +147,7 @@ impl Shared {
                     v.hosts.len()
                 );
                 m.gauge(Gauge::FleetHosts, v.hosts.len() as u64);
-                if self.config.role == Role::Router {
-                    let hosts = v.hosts.iter().map(|h| &h.state);
-                    rates::report(m, hosts, self.config.fleet.prefill_tokens_per_s);
-                }
+                self.rates_due.set(self.config.role == Role::Router);
             }
             (Refresh::Failed, _) => m.count(Counter::SnapshotDecodeFailed, 1),
             _ => {}
@@ -153,6 +155,14 @@ impl Shared {
         // On the tick, and whenever a new snapshot comes into use.
         if let (true, Some(v)) = (publish || refresh == Refresh::Decoded, &view) {
             m.gauge(Gauge::SnapshotAgeMs, v.age_ms(now));
+        }
+        // The rate each replica is priced at, on the tick after a decode.
+        if let (true, true, Some(v)) = (publish, self.rates_due.get(), &view) {
+            if let Ok(mut shown) = self.rates_shown.try_borrow_mut() {
+                let hosts = v.hosts.iter().map(|h| &h.state);
+                rates::report(m, hosts, self.config.fleet.prefill_tokens_per_s, &mut shown);
+                self.rates_due.set(false);
+            }
         }
     }
 
@@ -498,6 +508,8 @@ impl RootContext for Root {
                     fleet: RefCell::new(FleetCache::default()),
                     priors: RefCell::new(usage::PriorCache::default()),
                     conflict_logged_ms: Cell::new(0),
+                    rates_due: Cell::new(false),
+                    rates_shown: RefCell::new(Vec::new()),
                 }));
                 true
             }

@@ -56,6 +56,8 @@ pub struct SuiteOptions {
     pub resume: bool,
     /// With `resume`: these routers run again, every other router's
     /// stored run is kept (empty: a stored report is reused whole).
+    /// `kvroute` stands for every kvroute variant (`kvroute-known-rates`,
+    /// the oracles: kvroute-core's code and `kvroute_config`).
     pub rerun: Vec<String>,
     /// Workloads to run, by name ("mooncake" and the families; empty: all).
     pub only: Vec<String>,
@@ -98,6 +100,9 @@ pub struct Row {
     pub wall_s: f64,
     pub decision_mean_us: f64,
     pub decision_p99_us: f64,
+    /// Kept from a stored report (`--resume`), not run for this suite.
+    #[serde(skip)]
+    pub reused: bool,
 }
 
 impl Row {
@@ -124,6 +129,7 @@ impl Row {
             wall_s: t.wall_s,
             decision_mean_us: t.decision_mean_us,
             decision_p99_us: t.decision_p99_us,
+            reused: false,
         }
     }
 }
@@ -203,8 +209,9 @@ fn compare(
             .runs
             .iter()
             .enumerate()
-            .map(|(i, s)| {
-                Row::new(
+            .map(|(i, s)| Row {
+                reused: true,
+                ..Row::new(
                     name,
                     o.engines,
                     o.seed,
@@ -224,17 +231,25 @@ fn compare(
         };
         let mut router = routers::build(r, &setup)?;
         // A stored run of a router that is not run again (matched by the
-        // name the report gives it).
-        let reused = kept
-            .as_ref()
-            .filter(|_| !rerun.contains(r))
-            .and_then(|(report, timing)| {
-                let i = report.runs.iter().position(|s| s.router == router.name())?;
-                let s = report.runs.get(i)?.clone();
-                Some((s, timing.get(i).cloned().unwrap_or_default()))
-            });
+        // name the report gives it), made on this workload (its request
+        // count) at this K; else the router runs.
+        let reused =
+            kept.as_ref()
+                .filter(|_| !runs_again(rerun, r))
+                .and_then(|(report, timing)| {
+                    let i = report.runs.iter().position(|s| {
+                        s.router == router.name()
+                            && s.requests == wl.requests() as u64
+                            && s.gateways == o.gateways
+                    })?;
+                    let s = report.runs.get(i)?.clone();
+                    Some((s, timing.get(i).cloned().unwrap_or_default()))
+                });
         if let Some((s, t)) = reused {
-            rows.push(Row::new(name, o.engines, o.seed, &s, &t));
+            rows.push(Row {
+                reused: true,
+                ..Row::new(name, o.engines, o.seed, &s, &t)
+            });
             runs.push(s);
             timings.push(t);
             continue;
@@ -282,6 +297,13 @@ fn compare(
     Ok(rows)
 }
 
+/// Whether `router` runs again under `--rerun` `rerun`: named, or a
+/// kvroute variant when `kvroute` is named (they all run kvroute-core).
+fn runs_again(rerun: &[String], router: &str) -> bool {
+    rerun.iter().any(|r| r == router)
+        || (router.starts_with("kvroute") && rerun.iter().any(|r| r == "kvroute"))
+}
+
 /// Runs the suite; returns every row.
 pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
     let started = Instant::now();
@@ -300,8 +322,9 @@ pub fn run(o: &SuiteOptions) -> Result<Vec<Row>, String> {
         .find(|r| !o.routers.contains(r) && !o.scale_routers.contains(r))
     {
         return Err(format!(
-            "--rerun: {bad:?} is not one of the suite's routers ({})",
-            o.routers.join(", ")
+            "--rerun: {bad:?} is not one of the suite's routers ({}; scale series: {})",
+            o.routers.join(", "),
+            o.scale_routers.join(", ")
         ));
     }
     std::fs::create_dir_all(&o.out).map_err(|e| format!("{}: {e}", o.out.display()))?;
@@ -669,14 +692,26 @@ fn markdown(o: &SuiteOptions, rows: &[Row], wall_s: f64) -> String {
          numbers.\n",
         o.command, wall_s
     );
-    if o.resume && !o.rerun.is_empty() {
+    // Which routers ran for this page and which were kept from a stored
+    // report (`--resume`).
+    let mut ran: Vec<&str> = Vec::new();
+    let mut kept: Vec<&str> = Vec::new();
+    for r in rows {
+        let list = if r.reused { &mut kept } else { &mut ran };
+        if !list.contains(&r.router.as_str()) {
+            list.push(&r.router);
+        }
+    }
+    if !kept.is_empty() {
         let _ = writeln!(
             s,
-            "Only {} ran for this page (`--resume --rerun`); every other router's runs are the stored \
-             ones in `{}` from the last full generation (a router's modelled run depends only on the \
-             workload, the engine model and its own code).\n",
-            o.rerun.join(", "),
-            plots
+            "Runs made for this page: {}. Runs kept from the reports stored in `{}` by an earlier \
+             generation (`--resume`): {}; their wall-time and decision-CPU columns are from that \
+             generation. A router's modelled run depends only on the workload, the engine model and \
+             its own code.\n",
+            if ran.is_empty() { "none".to_owned() } else { ran.join(", ") },
+            plots,
+            kept.join(", ")
         );
     }
     if o.seeds.len() > 1 {

@@ -592,29 +592,41 @@ fn the_suite_runs_every_seed_and_scores_kvroute_per_seed() {
         alone.iter().map(modelled).collect::<Vec<_>>()
     );
     // `--resume --rerun kvroute` with another kvroute config: round robin's
-    // stored runs are kept (their wall times too, which a new run would
-    // not reproduce), kvroute's run again, with the new config.
-    let wall = |rows: &[suite::Row], router: &str| -> Vec<u64> {
-        rows.iter()
-            .filter(|r| r.router.starts_with(router))
-            .map(|r| r.wall_s.to_bits())
-            .collect()
-    };
+    // stored runs are kept (their figures and wall times as stored),
+    // kvroute's all made again, and the page says which is which.
     let rerun = suite::run(&SuiteOptions {
         resume: true,
         rerun: vec!["kvroute".to_owned()],
-        kvroute_config: serde_json::json!({"fleet": {"learnPrefillRates": false}}),
+        kvroute_config: serde_json::json!({"fleet": {"memoryKnee": 0.1}}),
         ..o.clone()
     })
     .unwrap();
     assert_eq!(rerun.len(), rows.len());
-    assert_eq!(wall(&rerun, "round-robin"), wall(&rows, "round-robin"));
-    assert!(wall(&rerun, "kvroute")
-        .iter()
-        .zip(wall(&rows, "kvroute"))
-        .all(|(a, b)| *a != b));
+    let of = |rows: &[suite::Row], router: &str| -> Vec<suite::Row> {
+        rows.iter()
+            .filter(|r| r.router.starts_with(router))
+            .cloned()
+            .collect()
+    };
+    let (kept, made) = (of(&rerun, "round-robin"), of(&rerun, "kvroute"));
+    assert_eq!((kept.len(), made.len()), (4, 4));
+    assert!(kept.iter().all(|r| r.reused) && made.iter().all(|r| !r.reused));
+    let stored = of(&rows, "round-robin");
+    assert_eq!(
+        kept.iter()
+            .map(|r| (modelled(r), r.wall_s.to_bits()))
+            .collect::<Vec<_>>(),
+        stored
+            .iter()
+            .map(|r| (modelled(r), r.wall_s.to_bits()))
+            .collect::<Vec<_>>()
+    );
     let md = std::fs::read_to_string(out.join("simulation.md")).unwrap();
-    assert!(md.contains("Only kvroute ran for this page"), "{md}");
+    assert!(
+        md.contains("Runs made for this page: kvroute. Runs kept from the reports")
+            && md.contains("(`--resume`): round-robin (modelled);"),
+        "{md}"
+    );
     // A router to run again that the suite does not run is refused.
     let typo = suite::run(&SuiteOptions {
         resume: true,

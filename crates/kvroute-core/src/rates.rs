@@ -73,8 +73,9 @@
 //! from answers"). Off with `fleet.learnPrefillRates`.
 //!
 //! Each router sets the gauge `kvroute_prefill_rate_tokens_per_s` per
-//! replica (label `replica`) to the rate the cost uses for it, whenever it
-//! decodes a snapshot ([`report`]).
+//! replica (label `replica`) to the rate the cost uses for it, on the
+//! worker's tick after it decodes a snapshot ([`report`]); a replica that
+//! left the snapshot reads 0.
 
 use crate::decide::Decision;
 use crate::fleet::{HostState, MAX_HOSTS};
@@ -299,17 +300,26 @@ pub fn apply(hosts: &mut [HostState], table: &RateTable, configured: f64) {
 /// Sets each replica's [`ReplicaGauge::PrefillRate`] to the rate the cost
 /// uses for it (its own, else `configured`), for the first
 /// [`REPLICA_SERIES`] hosts, so that operators see which replicas are
-/// priced slower.
+/// priced slower; the replicas in `shown` (those set last time) that are
+/// no longer among them read 0. `shown` becomes the replicas set now.
 pub fn report<'a>(
     m: &dyn Metrics,
     hosts: impl IntoIterator<Item = &'a HostState>,
     configured: f64,
+    shown: &mut Vec<String>,
 ) {
+    let mut now: Vec<String> = Vec::new();
     for h in hosts.into_iter().take(REPLICA_SERIES) {
         let rate = h.prefill_tokens_per_s.unwrap_or(configured);
-        // A float to integer cast saturates (and a NaN gives 0).
+        // A float to integer cast saturates.
         m.gauge_replica(ReplicaGauge::PrefillRate, &h.address, rate.round() as u64);
+        now.push(h.address.clone());
     }
+    now.sort_unstable();
+    for gone in shown.iter().filter(|a| now.binary_search(a).is_err()) {
+        m.gauge_replica(ReplicaGauge::PrefillRate, gone, 0);
+    }
+    *shown = now;
 }
 
 /// The stored table (empty when missing or not a table).
@@ -535,7 +545,8 @@ mod tests {
         assert_eq!(rates, [None, Some(10_000.0), Some(9_000.0)]);
         // The gauges show the rate the cost uses for each replica.
         let m = crate::host::MemoryMetrics::default();
-        report(&m, &hosts, 40_000.0);
+        let mut shown = Vec::new();
+        report(&m, &hosts, 40_000.0, &mut shown);
         let gauge = |addr: &str| {
             m.series
                 .borrow()
@@ -546,6 +557,13 @@ mod tests {
             ["a:1", "b:1", "c:1", "d:1"].map(gauge),
             [Some(40_000), Some(10_000), Some(9_000), None]
         );
+        // A replica that left the snapshot reads 0.
+        report(&m, &hosts[..2], 40_000.0, &mut shown);
+        assert_eq!(
+            ["a:1", "b:1", "c:1"].map(gauge),
+            [Some(40_000), Some(10_000), Some(0)]
+        );
+        assert_eq!(shown, ["a:1", "b:1"]);
         // Nothing learned: nothing changes.
         apply(&mut hosts[..1], &RateTable::default(), 40_000.0);
         assert_eq!(hosts[0].prefill_tokens_per_s, None);
@@ -557,10 +575,14 @@ mod tests {
             .map(|i| crate::decide::idle_host(&format!("10.0.{}.{}:80", i / 200, i % 200), true, 0))
             .collect();
         let m = crate::host::MemoryMetrics::default();
-        report(&m, &hosts, f64::NAN);
+        let mut shown = Vec::new();
+        report(&m, &hosts, 30_000.0, &mut shown);
         let series = m.series.borrow();
-        assert_eq!(series.len(), REPLICA_SERIES);
-        assert!(series.values().all(|v| *v == 0), "a NaN rate reads as 0");
+        assert_eq!(
+            (series.len(), shown.len()),
+            (REPLICA_SERIES, REPLICA_SERIES)
+        );
+        assert!(series.values().all(|v| *v == 30_000));
     }
 
     #[test]
