@@ -2798,7 +2798,7 @@ mod tests {
         let (f1, f2) = two_turns(&opening);
         assert_eq!(f1.affinity, f2.affinity);
         let (home, other) = home_of_two(&f2);
-        // The home at 60 % KV: past kvPressure, at the memory knee.
+        // The home at 60 % KV: past kvPressure, below the memory knee.
         let pressed = view(&[(&home, true, 0.6, 0, &[]), (other, true, 0.0, 0, &[])], 0);
         let pick = |f: &Facts| fleet_pick_with(&c, &pressed, f, 5000).targets[0].clone();
         assert_eq!(pick(&f1), other, "a new conversation avoids it");
