@@ -109,13 +109,7 @@ impl HostMetrics {
         } else {
             name
         };
-        let id = match hostcalls::define_metric(MetricType::Counter, &name) {
-            Ok(id) => Some(id),
-            Err(e) => {
-                log::warn!("kvroute: cannot define metric {name}: {e:?}");
-                None
-            }
-        };
+        let id = define(MetricType::Counter, &name);
         series.push((name, id));
         id
     }
